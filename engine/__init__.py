@@ -1,0 +1,32 @@
+"""The functional core of purestep: state pytrees, keys, optimizers and pure step functions."""
+
+from . import metrics, optim, rng, tree
+from .bind import Binder
+from .loss_scale import DynamicLossScale, LossScaleState
+from .state import Progress, TrainState, init, trainable_names
+from .step import StepOutput, eval_step, predict_step, train_step
+from .strategy import Local, Precision, Strategy
+from .tree import field, struct
+
+__all__ = [
+    "Binder",
+    "DynamicLossScale",
+    "Local",
+    "LossScaleState",
+    "Precision",
+    "Progress",
+    "StepOutput",
+    "Strategy",
+    "TrainState",
+    "eval_step",
+    "field",
+    "init",
+    "metrics",
+    "optim",
+    "predict_step",
+    "rng",
+    "struct",
+    "train_step",
+    "trainable_names",
+    "tree",
+]

@@ -1,0 +1,89 @@
+"""Pure, optax-style gradient transformations with torch.optim's numerics.
+
+A ``GradientTransformation`` is ``init(params) -> state`` and ``update(updates, state,
+params) -> (updates, state)`` over dicts ``name -> tensor``, plus an optional fused
+``apply``; ``step(tx, grads, state, params)`` runs one optimizer step. The named optimizers
+(``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``) take torch's arguments and defaults
+and their ``step`` is bitwise equal to ``torch.optim.X(foreach=True)``. Transforms compose
+with ``chain`` and the wrappers (``accumulate``, ``skip_nonfinite``, ``inject_hyperparams``,
+``masked``, ``partition``). Learning-rate schedules live in ``optim.schedules`` (its
+``schedules.step`` is the StepLR-like schedule; ``optim.step`` applies a transform).
+
+States are ``@struct`` pytrees holding tensors and plain int counters. Nothing here modifies
+its inputs except under ``donating()``, which lets the built-in transforms reuse the
+storage of the updates, their state and the params (the inputs are then consumed).
+"""
+
+from . import schedules
+from .accumulate import AccumulateState, accumulate
+from .adagrad import AdagradState, adagrad
+from .adam import AdamState, adam, adamw
+from .base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    apply_updates,
+    chain,
+    donating,
+    identity,
+    is_donating,
+    set_to_zero,
+    step,
+)
+from .clipping import clip_by_global_norm, clip_by_value, global_norm
+from .hyperparams import InjectHyperparamsState, inject_hyperparams
+from .masking import MaskedState, PartitionState, decay_mask, masked, partition
+from .nonfinite import NonFiniteError, SkipNonFiniteState, all_finite, skip_nonfinite
+from .rmsprop import RMSpropState, rmsprop
+from .scaling import ScaleByScheduleState, scale, scale_by_schedule
+from .schedules import Schedule
+from .sgd import SGDState, sgd
+from .weight_decay import add_decayed_weights
+
+__all__ = [
+    "AccumulateState",
+    "AdagradState",
+    "AdamState",
+    "EmptyState",
+    "GradientTransformation",
+    "InjectHyperparamsState",
+    "MaskedState",
+    "NonFiniteError",
+    "OptState",
+    "Params",
+    "PartitionState",
+    "RMSpropState",
+    "SGDState",
+    "ScaleByScheduleState",
+    "Schedule",
+    "SkipNonFiniteState",
+    "Updates",
+    "accumulate",
+    "adagrad",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "all_finite",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "clip_by_value",
+    "decay_mask",
+    "donating",
+    "global_norm",
+    "identity",
+    "inject_hyperparams",
+    "is_donating",
+    "masked",
+    "partition",
+    "rmsprop",
+    "scale",
+    "scale_by_schedule",
+    "schedules",
+    "set_to_zero",
+    "sgd",
+    "skip_nonfinite",
+    "step",
+]

@@ -1,0 +1,212 @@
+"""The gradient-transformation protocol, composition and how updates reach the params.
+
+A ``GradientTransformation`` is a pair of pure functions over name-keyed dicts of tensors:
+``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``,
+plus an optional fused ``apply(grads, state, params) -> (new_params, state)``. ``apply``
+exists because torch's foreach kernels fuse multiply-adds (``addcdiv``, ``add(alpha=)``):
+writing ``params + updates`` as separate ops rounds differently, so the named optimizers
+apply their step with exactly torch's arithmetic there, and ``step`` prefers it.
+
+Transforms never modify their inputs, except under ``donating()``: then the built-in
+transforms may write in place into the incoming updates, their own state tensors and (in
+``apply`` / ``apply_updates``) the params, like JAX's buffer donation. The donated inputs are
+consumed, including any buffers that earlier states share with them. Results are bitwise
+the same either way. A transform must never return updates that alias its own state, so
+that the next transform of a chain may write into them when donating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.tree import struct
+
+from ._util import take
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "OptState",
+    "Params",
+    "Updates",
+    "apply_updates",
+    "chain",
+    "donating",
+    "identity",
+    "is_donating",
+    "set_to_zero",
+    "step",
+]
+
+Tensor = torch.Tensor
+Params = dict[str, Tensor]
+Updates = dict[str, Tensor]
+OptState = Any
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)``;
+    optional ``apply(grads, state, params) -> (new_params, state)``, the fused path that
+    ``step`` uses when present."""
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+    apply: Callable[[Updates, OptState, Params], tuple[Params, OptState]] | None = None
+
+
+@struct
+class EmptyState:
+    """The state of a stateless transform."""
+
+
+# --------------------------------------------------------------------------- donation
+
+_DONATING: ContextVar[bool] = ContextVar("purestep_optim_donating", default=False)
+
+
+@contextlib.contextmanager
+def donating(enabled: bool = True) -> Iterator[None]:
+    """Within this block built-in transforms may reuse their inputs' storage (see module doc)."""
+    token = _DONATING.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _DONATING.reset(token)
+
+
+def is_donating() -> bool:
+    """Whether the current context donates inputs (``donating()``)."""
+    return _DONATING.get()
+
+
+# --------------------------------------------------------------------------- applying
+
+
+def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
+    """``params + updates`` name by name; params without an update are kept as they are.
+
+    Updates must have their params' dtypes. Under ``donating()`` the params are updated in
+    place (the returned dict holds the same tensor objects).
+    """
+    if len(updates) == len(params):
+        names = list(params)
+    else:
+        extra = [n for n in updates if n not in params]
+        if extra:
+            raise KeyError(f"updates for unknown params: {extra[:5]}")
+        names = [n for n in params if n in updates]
+    if not names:
+        return dict(params)
+    p = [params[n] for n in names]
+    u = take(updates, names, "updates")
+    if _DONATING.get():
+        torch._foreach_add_(p, u)
+        new = p
+    else:
+        new = torch._foreach_add(p, u)
+    out = dict(params)
+    out.update(zip(names, new))
+    return out
+
+
+def step(
+    tx: GradientTransformation,
+    grads: Mapping[str, Tensor],
+    state: OptState,
+    params: Mapping[str, Tensor],
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``tx.apply`` when present, else ``update`` then ``apply_updates``.
+
+    The named optimizers' ``apply`` is bitwise equal to ``torch.optim.X(foreach=True)``.
+    """
+    apply = getattr(tx, "apply", None)
+    if apply is not None:
+        return apply(grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return apply_updates(params, updates), state
+
+
+# --------------------------------------------------------------------------- composition
+
+
+def chain(*txs: GradientTransformation) -> GradientTransformation:
+    """Apply ``txs`` in order; the state is the tuple of their states.
+
+    ``apply`` runs the updates of all but the last transform, then the last one's ``apply``
+    (or its ``update`` and ``apply_updates``), so ``chain(clip, adam)`` keeps Adam's fused,
+    torch-exact arithmetic.
+    """
+    for i, tx in enumerate(txs):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"chain() argument {i} must be a GradientTransformation, got {type(tx).__name__}"
+            )
+    if not txs:
+        return identity()
+
+    def init(params: Params) -> tuple:
+        return tuple(tx.init(params) for tx in txs)
+
+    def update(updates: Updates, state: tuple, params: Params | None = None) -> tuple:
+        _check_len(state)
+        new_state = []
+        for tx, s in zip(txs, state):
+            updates, s = tx.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    def apply(grads: Updates, state: tuple, params: Params) -> tuple:
+        _check_len(state)
+        new_state = []
+        updates = grads
+        for tx, s in zip(txs[:-1], state):
+            updates, s = tx.update(updates, s, params)
+            new_state.append(s)
+        new_params, s = step(txs[-1], updates, state[-1], params)
+        new_state.append(s)
+        return new_params, tuple(new_state)
+
+    def _check_len(state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) != len(txs):
+            raise TypeError(
+                f"chain of {len(txs)} transforms needs a tuple of {len(txs)} states, got "
+                f"{type(state).__name__}"
+                + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+            )
+
+    return GradientTransformation(init, update, apply)
+
+
+def identity() -> GradientTransformation:
+    """Pass updates through unchanged (the same tensor objects)."""
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple:
+        return dict(updates), state
+
+    return GradientTransformation(init, update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace updates by zeros (freezes params, e.g. one label of ``partition``).
+
+    Its ``apply`` returns the params untouched (the same objects).
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple:
+        return {n: torch.zeros_like(u) for n, u in updates.items()}, state
+
+    def apply(grads: Updates, state: EmptyState, params: Params) -> tuple:
+        return dict(params), state
+
+    return GradientTransformation(init, update, apply)

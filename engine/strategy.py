@@ -1,0 +1,104 @@
+"""The seam between pure steps and hardware: what a step asks of a strategy and a precision.
+
+A strategy is a value the step builders and loops receive; swapping it changes no user code.
+This module defines the interface (as base classes whose methods are the do-nothing,
+single-process behaviour) and is all the engine knows of hardware: ``hardware`` implements
+single device, DDP and ensembles on top of it. ``Local()`` is what a step uses when given no
+strategy: tensors stay where they are, full precision, one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .loss_scale import DynamicLossScale
+
+__all__ = ["Local", "Precision", "Strategy"]
+
+ReduceOp = str  # "mean" | "sum" | "max" | "min"
+
+
+class Precision:
+    """A numeric precision policy; this base class is full precision (it does nothing).
+
+    ``convert_state`` and ``convert_input`` cast parameters/buffers and floating inputs (the
+    "-true" policies); ``autocast`` returns the context the forward pass runs in (the
+    "-mixed" policies); ``scaler`` is a ``DynamicLossScale`` when the loss must be scaled.
+    """
+
+    name: str = "32-true"
+    scaler: DynamicLossScale | None = None
+
+    def init(self) -> Any:
+        """The precision's part of the training state (the loss-scaler state, or None)."""
+        return None if self.scaler is None else self.scaler.init()
+
+    def convert_state(
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return params, buffers
+
+    def convert_input(self, batch: Any) -> Any:
+        return batch
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class Strategy:
+    """Placement, collectives and process identity; this base class is one local process."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device | None = None
+    precision: Precision = Precision()
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this process writes logs and checkpoints."""
+        return self.rank == 0
+
+    def place(self, tree: Any) -> Any:
+        """``tree`` with its tensors on this strategy's device."""
+        return tree
+
+    def prepare_state(
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Parameters and buffers placed and converted for training under this strategy."""
+        return self.precision.convert_state(self.place(params), self.place(buffers))
+
+    def all_reduce(self, tree: Any, op: ReduceOp = "mean") -> Any:
+        """``tree`` reduced over processes (identity for one process)."""
+        return tree
+
+    def broadcast(self, tree: Any, src: int = 0) -> Any:
+        """``tree`` as process ``src`` has it (identity for one process)."""
+        return tree
+
+    def barrier(self) -> None:
+        """Wait until every process gets here (nothing to wait for in one process)."""
+
+    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The step a loop should call under this strategy (the step itself here)."""
+        return step
+
+    def rng_devices(self) -> tuple[torch.device, ...]:
+        """Devices whose default generators a step must seed (CPU is always seeded)."""
+        if self.device is not None and self.device.type != "cpu":
+            return (self.device,)
+        return ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device}, precision={self.precision.name!r})"
+
+
+class Local(Strategy):
+    """The default strategy: one process, tensors wherever they already are, full precision."""

@@ -1,0 +1,55 @@
+"""Small models, data and a state digest shared by the engine tests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import tree
+
+
+def mlp(seed: int = 0, dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(8, 16)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(16))
+    layers.append(nn.ReLU())
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(16, 3))
+    return nn.Sequential(*layers)
+
+
+def batches(n: int, seed: int = 0, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 8, generator=g), torch.randint(0, 3, (size,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def loss_fn(apply, batch):
+    x, y = batch
+    logits = apply(x)
+    return F.cross_entropy(logits, y), {"acc": (logits.argmax(-1) == y).float().mean()}
+
+
+def clone_tree(t):
+    return tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, t)
+
+
+def digest(t) -> str:
+    """A hash of every leaf's path, dtype, shape and bytes: equal digests mean equal trees."""
+    h = hashlib.sha256()
+    for path, leaf in tree.flatten_with_paths(t):
+        h.update(path.encode())
+        if isinstance(leaf, torch.Tensor):
+            x = leaf.detach().contiguous().cpu()
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
