@@ -1,0 +1,32 @@
+"""Loggers: where the loop drivers send metrics, hyper-parameters and text.
+
+``CSVLogger`` (``metrics.csv`` + ``hparams.yaml``), ``TensorBoardLogger`` (tensorboardX event
+files) and ``MemoryLogger`` (Python lists, for tests) share the ``Logger`` contract;
+``LoggerCollection`` fans calls out to several; ``create_loggers`` reads the Trainer's
+``logger`` flag. File loggers write into versioned run folders (``folders``) on any fsspec
+path, and resume a killed run through ``state()`` / ``restore(state)``.
+"""
+
+from .base import STATUSES, FolderLogger, Logger
+from .collection import LoggerCollection, create_loggers
+from .csv import CSVLogger
+from .folders import RunFolder, next_version, run_dir
+from .hparams_yaml import dump_yaml, load_yaml
+from .memory import MemoryLogger
+from .tensorboard import TensorBoardLogger
+
+__all__ = [
+    "STATUSES",
+    "CSVLogger",
+    "FolderLogger",
+    "Logger",
+    "LoggerCollection",
+    "MemoryLogger",
+    "RunFolder",
+    "TensorBoardLogger",
+    "create_loggers",
+    "dump_yaml",
+    "load_yaml",
+    "next_version",
+    "run_dir",
+]

@@ -1,0 +1,236 @@
+"""``TensorBoardLogger``: event files written by ``tensorboardX.SummaryWriter``.
+
+Scalars go through ``add_scalar``, text through ``add_text``, hyper-parameters through the
+hparams plugin's summaries (with ``hp_metric = -1`` when no metric is given and
+``default_hp_metric``), plus an ``hparams.yaml`` in the run folder.
+
+Durability: tensorboardX queues events for a writer thread, and its ``flush()`` writes only
+what that thread has taken. So ``save()`` is best effort (it flushes, and events reach the
+file within ``flush_secs``), while ``state()``, ``truncate_after()`` and ``finalize()`` close the
+writer, which writes every queued event; logging afterwards opens a new event file. Do not
+keep a reference to ``experiment`` across those calls.
+
+Other filesystems: tensorboardX writes only to local disk (and its own s3/gs clients), so for
+a non-local fsspec URL the writer works in a local temporary folder and ``save()`` /
+``finalize()`` upload the files that changed into the run folder through fsspec.
+
+Resuming: event files are append-only, so nothing is deleted. ``truncate_after(step)`` (and
+``restore(state)``, which calls it with the last step logged before the checkpoint) starts a
+new event file opened with ``purge_step = step + 1``: TensorBoard's reader, on meeting it,
+drops every earlier-read event at a step ``>= step + 1``, so the new events logged for those
+steps supersede the killed run's. Event file names carry a nanosecond suffix so the new file
+always sorts (and is read) after the old ones, even within the same second. Logging the
+hyper-parameters again after a resume adds a second hparams entry at step 0 (a resuming
+driver may skip it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
+
+from .base import (
+    FolderLogger,
+    check_status,
+    check_step,
+    flatten,
+    params_dict,
+    prepare_metrics,
+)
+from .folders import is_local, url_to_fs
+from .hparams_yaml import dump_yaml, to_plain
+
+__all__ = ["TensorBoardLogger"]
+
+HPARAMS_FILE = "hparams.yaml"
+DEFAULT_HP_METRIC = "hp_metric"
+_last_suffix_ns = 0
+
+
+def _unique_suffix() -> str:
+    """A strictly increasing ``.<nanoseconds>`` so later event files sort after earlier ones."""
+    global _last_suffix_ns
+    _last_suffix_ns = max(time.time_ns(), _last_suffix_ns + 1)
+    return f".{_last_suffix_ns:020d}"
+
+
+def _hparam_value(value: Any) -> bool | int | float | str:
+    """A value TensorBoard's hparams plugin can show: numbers, bools and strings."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+class TensorBoardLogger(FolderLogger):
+    """Log to TensorBoard event files in ``save_dir/name/version_N[/sub_dir]`` (any fsspec URL).
+
+    ``name``/``version``/``prefix`` as for ``CSVLogger``; ``sub_dir`` adds a folder under the
+    version folder; ``default_hp_metric`` logs ``hp_metric = -1`` with the hyper-parameters
+    when no metrics are given; other keyword arguments go to ``tensorboardX.SummaryWriter``
+    (e.g. ``flush_secs``, ``max_queue``; a ``filename_suffix`` is appended to ours).
+    """
+
+    def __init__(
+        self,
+        save_dir: Any,
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: str | None = None,
+        **writer_kwargs: Any,
+    ) -> None:
+        super().__init__(save_dir, name, version, sub_dir=sub_dir, prefix=prefix)
+        for reserved in ("logdir", "log_dir", "purge_step"):
+            if reserved in writer_kwargs:
+                raise TypeError(
+                    f"TensorBoardLogger sets the SummaryWriter's {reserved!r} itself; use "
+                    "save_dir/name/version (and restore / truncate_after to purge steps)"
+                )
+        self._default_hp_metric = default_hp_metric
+        self._writer_kwargs = writer_kwargs
+        self._writer: SummaryWriter | None = None
+        self._purge_step: int | None = None  # for the next writer opened
+        self._last_step: int | None = None  # the largest step logged in this run
+        self._local_dir: str | None = None  # the writer's folder when log_dir is not local
+        self._uploaded: dict[str, tuple[int, int]] = {}  # local file -> (size, mtime_ns)
+        self.hparams: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ the writer
+
+    @property
+    def experiment(self) -> SummaryWriter:
+        """The ``SummaryWriter`` (opened on first use) for anything this class does not wrap."""
+        if self._writer is None:
+            self._started = True
+            fs, path = url_to_fs(self.log_dir)
+            if is_local(fs):
+                logdir = path
+            else:
+                if self._local_dir is None:
+                    self._local_dir = tempfile.mkdtemp(prefix="purestep-tb-")
+                logdir = self._local_dir
+            kwargs = dict(self._writer_kwargs)
+            kwargs["filename_suffix"] = _unique_suffix() + kwargs.get("filename_suffix", "")
+            self._writer = SummaryWriter(logdir=logdir, purge_step=self._purge_step, **kwargs)
+            self._purge_step = None
+        return self._writer
+
+    def _note_step(self, step: int) -> None:
+        self._last_step = step if self._last_step is None else max(self._last_step, step)
+
+    def _upload(self) -> None:
+        """Copy new or changed files of the local writer folder to a non-local log_dir."""
+        if self._local_dir is None:
+            return
+        fs, remote = url_to_fs(self.log_dir)
+        for folder, _, files in os.walk(self._local_dir):
+            for filename in files:
+                local = os.path.join(folder, filename)
+                info = os.stat(local)
+                stamp = (info.st_size, info.st_mtime_ns)
+                if self._uploaded.get(local) == stamp:
+                    continue
+                relative = os.path.relpath(local, self._local_dir).replace(os.sep, "/")
+                target = f"{remote.rstrip('/')}/{relative}"
+                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                fs.put_file(local, target)
+                self._uploaded[local] = stamp
+
+    # ------------------------------------------------------------------ logging
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        step = check_step(step)
+        values = prepare_metrics(metrics, self._prefix)
+        writer = self.experiment
+        for name, value in values.items():
+            writer.add_scalar(name, value, step)
+        self._note_step(step)
+
+    def log_hyperparams(self, params: Any, metrics: Mapping[str, Any] | None = None) -> None:
+        """Write the hparams summaries (nested names joined by ``/``) and ``hparams.yaml``.
+
+        ``metrics`` (or ``{"hp_metric": -1}`` with ``default_hp_metric``) are also logged as
+        scalars at step 0, so the hparams dashboard has a value to show for them.
+        """
+        params = to_plain(params_dict(params))
+        self.hparams.update(params)
+        fs, folder = url_to_fs(self.log_dir)
+        fs.makedirs(folder, exist_ok=True)
+        fs.pipe_file(f"{folder.rstrip('/')}/{HPARAMS_FILE}", dump_yaml(self.hparams).encode())
+        if metrics is None and self._default_hp_metric:
+            metrics = {DEFAULT_HP_METRIC: -1}
+        values = prepare_metrics(metrics or {}, self._prefix)
+        writer = self.experiment
+        for name, value in values.items():
+            writer.add_scalar(name, value, 0)
+        flat = {k: _hparam_value(v) for k, v in flatten(params).items() if v is not None}
+        for summary in hparams_summaries(flat, values):
+            writer.file_writer.add_summary(summary)
+        self._note_step(0)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        step = check_step(step)
+        if not isinstance(tag, str) or not isinstance(text, str):
+            raise TypeError(f"log_text takes a str tag and a str text, got {tag!r}, {text!r}")
+        self.experiment.add_text(tag, text, step)
+        self._note_step(step)
+
+    def save(self) -> None:
+        """Flush what the writer thread has written (best effort) and upload it."""
+        if self._writer is not None:
+            self._writer.flush()
+        self._upload()
+
+    def _drain(self) -> None:
+        """Write every queued event (by closing the writer) and upload the files."""
+        if self._writer is not None:
+            self._writer.purge_step = None  # a reopened writer must not purge again
+            self._writer.close()
+            self._writer = None
+        self._upload()
+
+    def finalize(self, status: str) -> None:
+        check_status(status)
+        self._drain()
+        if self._local_dir is not None:
+            shutil.rmtree(self._local_dir, ignore_errors=True)
+            self._local_dir = None
+            self._uploaded = {}
+
+    # ------------------------------------------------------------------ resuming
+
+    def state(self) -> dict[str, Any]:
+        """``{"version", "step"}``: the run folder and the largest step logged (or None).
+
+        Writes every queued event first, so all that the state covers is in the files.
+        """
+        self._drain()
+        return {"version": self.version, "step": self._last_step}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue the run of ``state``: same folder; its events after ``step`` superseded."""
+        self._adopt(state)
+        step = state.get("step")
+        if step is None:
+            self._purge(0)  # nothing was logged before the checkpoint
+        else:
+            self.truncate_after(step)
+
+    def truncate_after(self, step: int) -> None:
+        """Hide events at steps after ``step``: open a new event file with that purge step."""
+        self._purge(check_step(step) + 1)
+
+    def _purge(self, purge_step: int) -> None:
+        self._drain()
+        self._purge_step = purge_step
+        if self._last_step is not None:
+            self._last_step = min(self._last_step, purge_step - 1) if purge_step else None
+        self.experiment  # noqa: B018 - open the writer now, writing the purge marker
