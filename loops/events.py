@@ -1,0 +1,213 @@
+"""Named loop events, what a callback sees at each one, what it may ask for, and dispatch.
+
+The loops announce events in the order a PyTorch Lightning user knows (``FIT_EVENTS`` and
+friends list them). At each one, every callback's handler of that name receives its own
+state (kept in ``TrainState.callbacks[callback.key]``) and a read-only ``Context``, and
+returns its new state and ``Requests`` — stop, log these values, save a checkpoint here,
+delete that file, print this line. The callbacks stay pure; ``dispatch`` threads their states
+through the training state and merges their requests, and the loop driver carries them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from engine.state import Progress, TrainState
+
+__all__ = [
+    "EVENTS",
+    "FIT_EVENTS",
+    "PREDICT_EVENTS",
+    "TEST_EVENTS",
+    "VALIDATE_EVENTS",
+    "Context",
+    "Requests",
+    "Stage",
+    "dispatch",
+]
+
+
+class Stage:
+    """What the loop is doing (``Context.stage``), with Lightning's names."""
+
+    TRAIN = "train"
+    SANITY_CHECK = "sanity_check"
+    VALIDATE = "validate"
+    TEST = "test"
+    PREDICT = "predict"
+
+
+_EVAL_EVENTS = (
+    "on_{s}_start",
+    "on_{s}_epoch_start",
+    "on_{s}_batch_start",
+    "on_{s}_batch_end",
+    "on_{s}_epoch_end",
+    "on_{s}_end",
+)
+
+
+def _eval(stage: str) -> tuple[str, ...]:
+    return tuple(e.format(s=stage) for e in _EVAL_EVENTS)
+
+
+VALIDATE_EVENTS = ("setup", *_eval("validation"), "teardown")
+TEST_EVENTS = ("setup", *_eval("test"), "teardown")
+PREDICT_EVENTS = ("setup", *_eval("predict"), "teardown")
+FIT_EVENTS = (
+    "setup",
+    "on_fit_start",
+    "on_sanity_check_start",
+    *_eval("validation"),
+    "on_sanity_check_end",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "teardown",
+)
+EVENTS = tuple(
+    dict.fromkeys((*FIT_EVENTS, *VALIDATE_EVENTS, *TEST_EVENTS, *PREDICT_EVENTS, "on_exception"))
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Requests:
+    """What callbacks ask the driver to do; ``a | b`` merges two sets of requests in order.
+
+    ``stop``: end training at the next point the loop may stop (``min_epochs``/``min_steps``
+    still apply); ``log``: values to send to the loggers and to the metrics callbacks see;
+    ``save``: checkpoint files to write with the current state; ``remove``: files to delete
+    after the saves; ``link``: ``(target, link)`` pairs (``link`` points at ``target``);
+    ``messages``: lines to show the user.
+    """
+
+    stop: bool = False
+    log: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    save: tuple[str, ...] = ()
+    remove: tuple[str, ...] = ()
+    link: tuple[tuple[str, str], ...] = ()
+    messages: tuple[str, ...] = ()
+
+    def __or__(self, other: Requests) -> Requests:
+        if not other:
+            return self
+        if not self:
+            return other
+        return Requests(
+            stop=self.stop or other.stop,
+            log={**self.log, **other.log},
+            save=self.save + other.save,
+            remove=self.remove + other.remove,
+            link=self.link + other.link,
+            messages=self.messages + other.messages,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.stop or self.log or self.save or self.remove or self.link or self.messages)
+
+
+NOTHING = Requests()
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """A read-only view of the loop at an event (never modify what it holds).
+
+    ``stage``: a ``Stage`` value (``None`` outside a running stage, e.g. at setup);
+    ``fn``: the entry point (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``);
+    ``state``: the training state at this point; ``progress``: its ``Progress``;
+    ``metrics``: the latest logged values (Lightning's ``callback_metrics``), floats;
+    ``batch``, ``batch_idx``, ``dataloader_idx``, ``outputs``: at batch events;
+    ``num_batches``: batches this epoch/evaluation will run (per dataloader for evaluation);
+    ``is_last_batch``; ``should_stop``: whether a stop has been requested;
+    ``elapsed``: seconds of training so far (by the driver's clock; includes time restored
+    from a checkpoint); ``config``: the loop configuration; ``log_dir``: the run folder of the
+    first logger (or the root folder); ``world_size`` and ``rank``; ``exists``: a function
+    telling whether a file exists (for callbacks that name files); ``exception``: at
+    ``on_exception``; ``extra``: anything else a custom loop passes.
+    """
+
+    stage: str | None
+    fn: str
+    state: TrainState
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    batch: Any = None
+    batch_idx: int | None = None
+    dataloader_idx: int = 0
+    outputs: Any = None
+    num_batches: Any = None
+    is_last_batch: bool = False
+    should_stop: bool = False
+    elapsed: float = 0.0
+    config: Any = None
+    log_dir: str | None = None
+    world_size: int = 1
+    rank: int = 0
+    exists: Callable[[str], bool] | None = None
+    exception: BaseException | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def progress(self) -> Progress:
+        return self.state.progress
+
+    @property
+    def epoch(self) -> int:
+        return self.state.progress.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.state.progress.step
+
+    def replace(self, **changes: Any) -> Context:
+        return dataclasses.replace(self, **changes)
+
+
+def _overrides(callback: Any, event: str) -> bool:
+    """Whether ``callback`` handles ``event`` (so dispatch can skip the others cheaply)."""
+    from .callbacks.base import Callback
+
+    impl = getattr(type(callback), event, None)
+    return impl is not None and impl is not getattr(Callback, event, None)
+
+
+def dispatch(
+    event: str, callbacks: Sequence[Any], state: TrainState, ctx: Context
+) -> tuple[TrainState, Requests]:
+    """Run ``event`` on every callback that handles it; thread their states; merge requests.
+
+    Handlers run in list order; at ``on_train_epoch_end`` and ``on_validation_end`` the
+    "monitoring" callbacks (early stopping, checkpointing) run after the others, as in
+    Lightning, so they see what the others logged.
+    """
+    handlers = [cb for cb in callbacks if _overrides(cb, event)]
+    if not handlers:
+        return state, NOTHING
+    if event in ("on_train_epoch_end", "on_validation_end"):
+        handlers.sort(key=lambda cb: bool(getattr(cb, "monitoring", False)))
+    states = dict(state.callbacks)
+    merged = NOTHING
+    for cb in handlers:
+        key = cb.key
+        if key not in states:
+            raise KeyError(
+                f"callback {key!r} has no state in TrainState.callbacks; initialise the "
+                "callbacks' states with loops.callbacks.init_states(callbacks, state)"
+            )
+        result = getattr(cb, event)(states[key], ctx.replace(state=state))
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Requests)):
+            raise TypeError(
+                f"{type(cb).__name__}.{event} must return (state, Requests), got {result!r}"
+            )
+        states[key], requests = result
+        merged = merged | requests
+        state = state.replace(callbacks=states)
+        states = dict(states)
+    return state, merged

@@ -1,0 +1,190 @@
+"""LearningRateMonitor: names and values of injected hyper-parameters in nested states."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import engine
+from engine import optim
+from engine.state import Progress
+from loops.callbacks import LearningRateMonitor, find_hyperparams, init_states, should_log_step
+from loops.events import Context, dispatch
+
+inject = optim.inject_hyperparams
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+
+
+def _is_matrix(name, tensor):
+    return "decay" if tensor.ndim >= 2 else "no_decay"
+
+
+def _fire(cb, event, opt, step=0, config=None, should_stop=False, extra=None, state=None):
+    if state is None:
+        state = engine.init(_net(), opt)
+    state = init_states([cb], state.replace(progress=Progress(step=step)))
+    ctx = Context(
+        stage="train",
+        fn="fit",
+        state=state,
+        config=config,
+        should_stop=should_stop,
+        extra=extra or {},
+    )
+    return dispatch(event, [cb], state, ctx)[1]
+
+
+def test_chain_of_clip_and_injected_adamw():
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        inject(optim.adamw)(lr=1e-3, betas=(0.8, 0.99), weight_decay=0.05),
+    )
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt)
+    assert req.log == {"lr-Adam": 1e-3}
+    cb = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
+    req = _fire(cb, "on_train_epoch_start", opt)
+    assert req.log == {"lr-Adam": 1e-3, "lr-Adam-momentum": 0.8, "lr-Adam-weight_decay": 0.05}
+
+
+def test_partition_labels_become_group_suffixes():
+    opt = optim.partition(
+        {
+            "decay": inject(optim.sgd)(lr=0.1, momentum=0.9),
+            "no_decay": inject(optim.sgd)(lr=0.01),
+        },
+        _is_matrix,
+    )
+    cb = LearningRateMonitor(log_momentum=True)
+    req = _fire(cb, "on_train_epoch_start", opt)
+    assert req.log == {"lr-SGD/decay": 0.1, "lr-SGD/decay-momentum": 0.9, "lr-SGD/no_decay": 0.01}
+    # the group without injected momentum is explained once, at the start of training
+    start = _fire(cb, "on_train_start", opt)
+    assert len(start.messages) == 1 and "lr-SGD/no_decay" in start.messages[0]
+
+
+def test_non_string_labels_are_numbered_param_groups():
+    opt = optim.partition(
+        {0: inject(optim.adam)(lr=0.2), 1: inject(optim.adam)(lr=0.3)},
+        lambda name, t: 0 if t.ndim >= 2 else 1,
+    )
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt)
+    assert req.log == {"lr-Adam/pg1": 0.2, "lr-Adam/pg2": 0.3}
+
+
+def test_masked_and_chain_inside_partition():
+    opt = optim.chain(
+        optim.masked(optim.add_decayed_weights(0.1), optim.decay_mask),
+        optim.partition(
+            {
+                "decay": optim.chain(optim.clip_by_value(1.0), inject(optim.rmsprop)(lr=0.5)),
+                "no_decay": optim.set_to_zero(),
+            },
+            _is_matrix,
+        ),
+    )
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt)
+    assert req.log == {"lr-RMSprop/decay": 0.5}
+
+
+def test_repeated_optimizers_get_numbered():
+    # a loop with two optimizers (e.g. a GAN) keeps both states in one tree
+    params = {"w": torch.zeros(2, 2)}
+    opt_state = {
+        "generator": inject(optim.adam)(lr=1e-4).init(params),
+        "discriminator": inject(optim.adam)(lr=4e-4).init(params),
+    }
+    found = find_hyperparams(opt_state)
+    assert [f.key for f in found] == ["lr-Adam", "lr-Adam-1"]
+    # dict keys are visited in insertion order
+    assert [float(f.hyperparams["lr"]) for f in found] == [1e-4, 4e-4]
+
+
+def test_name_recorded_in_the_state_wins():
+    state = inject(optim.adamw)(lr=0.1).init({"w": torch.zeros(2)})
+    object.__setattr__(state, "name", "adamw")  # what a future state could record
+    assert [f.key for f in find_hyperparams(state)] == ["lr-AdamW"]
+
+
+def test_values_follow_the_state():
+    opt = inject(optim.sgd)(lr=0.1)
+    state = engine.init(_net(), opt)
+    hp = {**state.opt_state.hyperparams, "lr": torch.tensor(0.025, dtype=torch.float64)}
+    state = state.replace(opt_state=state.opt_state.replace(hyperparams=hp))
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt, state=state)
+    assert req.log == {"lr-SGD": 0.025}
+
+
+def test_scheduled_lr_after_real_steps():
+    schedule = optim.schedules.linear(1.0, 0.0, 10)
+    opt = inject(optim.sgd)(lr=schedule)
+    net = _net()
+    state = engine.init(net, opt)
+    step = engine.train_step(
+        net, lambda apply, b: F.mse_loss(apply(b[0]), b[1]), opt, grad_norm=False
+    )
+    batch = (torch.randn(5, 4), torch.randn(5, 2))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt, state=state)
+    assert req.log == {"lr-SGD": float(state.opt_state.hyperparams["lr"])}
+    assert req.log["lr-SGD"] != 1.0
+
+
+def test_nothing_injected_logs_nothing_and_explains_once():
+    opt = optim.adamw(1e-3)
+    cb = LearningRateMonitor()
+    assert not _fire(cb, "on_train_epoch_start", opt)
+    assert not _fire(cb, "on_train_batch_start", opt, step=49)
+    start = _fire(cb, "on_train_start", opt)
+    assert len(start.messages) == 1 and "inject_hyperparams" in start.messages[0]
+    assert not start.log
+
+
+def test_no_logger_is_an_error_only_when_the_loop_says_so():
+    opt = inject(optim.sgd)(lr=0.1)
+    with pytest.raises(ValueError, match="no logger"):
+        _fire(LearningRateMonitor(), "on_train_start", opt, extra={"num_loggers": 0})
+    assert not _fire(LearningRateMonitor(), "on_train_start", opt, extra={"num_loggers": 1})
+    assert not _fire(LearningRateMonitor(), "on_train_start", opt)
+
+
+@given(
+    step=st.integers(0, 200),
+    every=st.integers(0, 7),
+    should_stop=st.booleans(),
+    interval=st.sampled_from([None, "step", "epoch"]),
+)
+def test_step_logging_cadence(step, every, should_stop, interval):
+    config = SimpleNamespace(log_every_n_steps=every)
+    opt = inject(optim.sgd)(lr=0.1)
+    cb = LearningRateMonitor(logging_interval=interval)
+    req = _fire(cb, "on_train_batch_start", opt, step, config, should_stop)
+    due = every > 0 and ((step + 1) % every == 0 or should_stop)
+    assert bool(req.log) == (due and interval != "epoch")
+    req = _fire(cb, "on_train_epoch_start", opt, step, config, should_stop)
+    assert bool(req.log) == (interval != "step")
+
+
+def test_default_cadence_is_every_50_steps():
+    ctx = Context(stage="train", fn="fit", state=engine.init(_net(), optim.sgd(0.1)))
+    steps = [s for s in range(200) if should_log_step(ctx.replace(state=_at(ctx.state, s)))]
+    assert steps == [49, 99, 149, 199]
+
+
+def _at(state, step):
+    return state.replace(progress=Progress(step=step))
+
+
+def test_bad_logging_interval():
+    with pytest.raises(ValueError, match="logging_interval='batch'"):
+        LearningRateMonitor(logging_interval="batch")

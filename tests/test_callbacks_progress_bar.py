@@ -1,0 +1,173 @@
+"""ProgressBar: what the bars show, drawn into a StringIO."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import nn
+
+import engine
+from engine import optim
+from engine.state import Progress
+from loops.callbacks import ProgressBar
+from loops.events import Context
+
+
+def _state(epoch=0, batch_in_epoch=0):
+    state = engine.init(nn.Linear(2, 1), optim.sgd(0.1))
+    return state.replace(progress=Progress(epoch=epoch, batch_in_epoch=batch_in_epoch))
+
+
+def _ctx(stage="train", fn="fit", state=None, **kw):
+    return Context(stage=stage, fn=fn, state=state or _state(), **kw)
+
+
+def train_epoch(bar, epoch, n, metrics=None, **kw):
+    extra = {"progress_bar_metrics": metrics if metrics is not None else {}}
+    state = _state(epoch)
+    bar.on_event("on_train_epoch_start", _ctx(state=state, num_batches=n, extra=extra, **kw))
+    for i in range(n):
+        ctx = _ctx(
+            state=state, batch_idx=i, num_batches=n, is_last_batch=i == n - 1, extra=extra, **kw
+        )
+        bar.on_event("on_train_batch_start", ctx)
+        bar.on_event("on_train_batch_end", ctx)
+    bar.on_event("on_train_epoch_end", _ctx(state=state, num_batches=n, extra=extra, **kw))
+
+
+def test_train_bar_shows_epoch_counts_and_metrics():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    train_epoch(bar, 3, 4, {"loss": 0.25, "acc": torch.tensor(0.5)})
+    text = out.getvalue()
+    assert "Epoch 3" in text and "4/4" in text
+    assert "loss=0.25" in text and "acc=0.5" in text
+    bar.on_event("on_train_end", _ctx())
+    assert bar.train_bar is None
+
+
+def test_refresh_rate_limits_redraws_and_metric_formatting():
+    class Counting(Mapping):
+        def __init__(self):
+            self.reads = 0
+
+        def __getitem__(self, key):
+            return {"loss": 1.5}[key]
+
+        def __len__(self):
+            return 1
+
+        def __iter__(self):
+            self.reads += 1
+            return iter(["loss"])
+
+    metrics = Counting()
+    out = io.StringIO()
+    bar = ProgressBar(refresh_rate=3, file=out)
+    train_epoch(bar, 0, 7, metrics)
+    text = out.getvalue()
+    assert "3/7" in text and "6/7" in text and "7/7" in text  # every 3rd and the last batch
+    assert "1/7" not in text and "2/7" not in text and "4/7" not in text
+    # metrics are read on the three refreshed batches and at the epoch end only
+    assert metrics.reads == 4
+
+
+def test_validation_and_sanity_bars():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    for stage, title in [("sanity_check", "Sanity Checking"), ("validate", "Validation")]:
+        bar.on_event("on_validation_start", _ctx(stage=stage))
+        for i in range(3):
+            ctx = _ctx(stage=stage, batch_idx=i, num_batches=3, is_last_batch=i == 2)
+            bar.on_event("on_validation_batch_end", ctx)
+        assert bar.eval_bar is not None
+        bar.on_event("on_validation_end", _ctx(stage=stage))
+        assert bar.eval_bar is None
+        assert title in out.getvalue() and "3/3" in out.getvalue()
+
+
+def test_second_dataloader_resets_the_bar():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    bar.on_event("on_validation_start", _ctx(stage="validate"))
+    for dl, n in [(0, 2), (1, 5)]:
+        for i in range(n):
+            ctx = _ctx(stage="validate", batch_idx=i, dataloader_idx=dl, num_batches=n)
+            bar.on_event("on_validation_batch_end", ctx)
+    assert "Validation DataLoader 1" in out.getvalue() and "5/5" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "stage", "title"),
+    [("test", "test", "Testing"), ("predict", "predict", "Predicting")],
+)
+def test_test_and_predict_bars(prefix, stage, title):
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    bar.on_event(f"on_{prefix}_start", _ctx(stage=stage, fn=stage))
+    for i in range(2):
+        ctx = _ctx(stage=stage, fn=stage, batch_idx=i, num_batches=2, is_last_batch=i == 1)
+        bar.on_event(f"on_{prefix}_batch_end", ctx)
+    bar.on_event(f"on_{prefix}_end", _ctx(stage=stage, fn=stage))
+    assert title in out.getvalue() and "2/2" in out.getvalue()
+
+
+def test_validation_metrics_reach_the_train_bar():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    bar.on_event("on_train_epoch_start", _ctx(num_batches=2))
+    bar.on_event("on_validation_start", _ctx(stage="validate"))
+    extra = {"progress_bar_metrics": {"val_loss": 0.125}}
+    bar.on_event("on_validation_end", _ctx(stage="validate", extra=extra))
+    assert "val_loss=0.125" in out.getvalue()
+
+
+def test_leave_keeps_one_bar_per_epoch():
+    kept, reused = ProgressBar(leave=True, file=io.StringIO()), ProgressBar(file=io.StringIO())
+    first = {}
+    for bar in (kept, reused):
+        train_epoch(bar, 0, 2)
+        first[id(bar)] = bar.train_bar
+        train_epoch(bar, 1, 2)
+    assert kept.train_bar is not first[id(kept)]
+    assert reused.train_bar is first[id(reused)]
+    assert "Epoch 1" in reused.file.getvalue()
+
+
+def test_resumed_epoch_starts_at_its_data_position():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    bar.on_event("on_train_epoch_start", _ctx(state=_state(0, 3), num_batches=5))
+    assert bar.train_bar.n == 3
+
+
+def test_unknown_total_and_ignored_events():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    bar.on_event("on_train_epoch_start", _ctx(num_batches=float("inf")))
+    bar.on_event("on_train_batch_end", _ctx(batch_idx=0, num_batches=float("inf")))
+    bar.on_event("on_before_optimizer_step", _ctx())  # not drawn
+    assert bar.train_bar.total is None and "1it" in out.getvalue()
+
+
+def test_disabled_and_other_ranks_draw_nothing():
+    quiet = [(ProgressBar(refresh_rate=0, file=io.StringIO()), {})]
+    quiet.append((ProgressBar(file=io.StringIO()), {"rank": 1}))
+    for bar, kw in quiet:
+        train_epoch(bar, 0, 3, **kw)
+        assert bar.file.getvalue() == "" and bar.train_bar is None
+
+
+def test_teardown_and_exception_close_the_bars():
+    bar = ProgressBar(file=io.StringIO())
+    bar.on_event("on_train_epoch_start", _ctx(num_batches=2))
+    bar.on_event("on_exception", _ctx())
+    assert bar.train_bar is None and bar.eval_bar is None
+
+
+def test_bad_refresh_rate():
+    with pytest.raises(ValueError, match="refresh_rate"):
+        ProgressBar(refresh_rate=-1)
