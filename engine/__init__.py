@@ -1,6 +1,6 @@
 """The functional core of purestep: state pytrees, keys, optimizers and pure step functions."""
 
-from . import metrics, optim, rng, tree
+from . import checkpoint, metrics, optim, rng, tree
 from .bind import Binder
 from .loss_scale import DynamicLossScale, LossScaleState
 from .state import Progress, TrainState, init, trainable_names
@@ -18,6 +18,7 @@ __all__ = [
     "StepOutput",
     "Strategy",
     "TrainState",
+    "checkpoint",
     "eval_step",
     "field",
     "init",

@@ -23,8 +23,13 @@ NAMESPACE = "purestep"
 T = TypeVar("T")
 PyTree = Any
 
+# Every @struct class by "module:qualname", so checkpoints can name and rebuild them without
+# unpickling (see engine.checkpoint).
+STRUCTS: dict[str, type] = {}
+
 __all__ = [
     "NAMESPACE",
+    "STRUCTS",
     "PyTree",
     "assert_trees_close",
     "assert_trees_equal",
@@ -86,7 +91,10 @@ def struct(cls: type[T] | None = None, /) -> Any:
         data = tuple(f.name for f in all_fields if not f.metadata.get("static", False))
         meta = tuple(f.name for f in all_fields if f.metadata.get("static", False))
         cls.__struct_fields__ = frozenset(data + meta)
+        cls.__struct_data__ = data
+        cls.__struct_static__ = meta
         cls.replace = _replace
+        STRUCTS[f"{cls.__module__}:{cls.__qualname__}"] = cls
 
         def flatten(obj: Any) -> tuple[tuple, tuple, tuple]:
             d = obj.__dict__

@@ -83,14 +83,16 @@ class Requests:
 
     ``stop``: end training at the next point the loop may stop (``min_epochs``/``min_steps``
     still apply); ``log``: values to send to the loggers and to the metrics callbacks see;
-    ``save``: checkpoint files to write with the current state; ``remove``: files to delete
-    after the saves; ``link``: ``(target, link)`` pairs (``link`` points at ``target``);
+    ``save``: checkpoint files to write with the current state; ``save_weights``: files to
+    write with the weights only (parameters and buffers); ``remove``: files to delete after
+    the saves; ``link``: ``(target, link)`` pairs (``link`` points at ``target``);
     ``messages``: lines to show the user.
     """
 
     stop: bool = False
     log: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     save: tuple[str, ...] = ()
+    save_weights: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
     link: tuple[tuple[str, str], ...] = ()
     messages: tuple[str, ...] = ()
@@ -104,13 +106,14 @@ class Requests:
             stop=self.stop or other.stop,
             log={**self.log, **other.log},
             save=self.save + other.save,
+            save_weights=self.save_weights + other.save_weights,
             remove=self.remove + other.remove,
             link=self.link + other.link,
             messages=self.messages + other.messages,
         )
 
     def __bool__(self) -> bool:
-        return bool(self.stop or self.log or self.save or self.remove or self.link or self.messages)
+        return any(bool(getattr(self, f.name)) for f in dataclasses.fields(self))
 
 
 NOTHING = Requests()

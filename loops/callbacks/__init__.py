@@ -1,11 +1,12 @@
 """Pure callbacks: state in ``TrainState.callbacks``, effects requested through ``Requests``.
 
 ``Callback`` and ``init_states`` are the contract (``base``); the built-in callbacks are
-``EarlyStopping``, ``LearningRateMonitor``, ``Timer``, ``ModelSummary`` and
+``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``, ``Timer``, ``ModelSummary`` and
 ``LambdaCallback``. ``ProgressBar`` draws, so it is an event observer, not a callback.
 """
 
 from .base import Callback, init_states
+from .checkpoint import ModelCheckpoint
 from .early_stopping import EarlyStopping, StoppingReason
 from .lambda_callback import LambdaCallback
 from .lr_monitor import Injected, LearningRateMonitor, find_hyperparams, should_log_step
@@ -20,6 +21,7 @@ __all__ = [
     "LambdaCallback",
     "LayerSummary",
     "LearningRateMonitor",
+    "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
     "StoppingReason",

@@ -1,0 +1,40 @@
+"""Checkpoints: the whole ``TrainState`` to any fsspec URL, atomically and safely.
+
+``save(state, url, metadata=...)`` / ``load(url, target=...)`` write and read a state with
+its metadata (``files``); writes are atomic (``storage``: rename, or a commit marker on
+object stores); loading never unpickles objects (``codec``: plain data only, ``@struct``
+classes rebuilt by name). ``find_latest(folder)`` picks the newest checkpoint that reads
+(``discover``); ``AsyncCheckpointer`` writes in a background thread (``background``);
+``export_state_dict`` / ``load_weights`` exchange plain ``state_dict``s (``interop``).
+"""
+
+from .background import AsyncCheckpointer
+from .codec import CheckpointError, decode, encode
+from .discover import candidates, find_latest
+from .files import FORMAT, FORMAT_VERSION, load, load_metadata, read, save, versions
+from .interop import export_state_dict, load_weights, read_state_dict
+from .storage import MARKER_SUFFIX, is_committed, remove, remove_partial, write_atomic
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MARKER_SUFFIX",
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "candidates",
+    "decode",
+    "encode",
+    "export_state_dict",
+    "find_latest",
+    "is_committed",
+    "load",
+    "load_metadata",
+    "load_weights",
+    "read",
+    "read_state_dict",
+    "remove",
+    "remove_partial",
+    "save",
+    "versions",
+    "write_atomic",
+]

@@ -1,0 +1,134 @@
+"""Encode a state pytree into containers ``torch.load(weights_only=True)`` can read, and back.
+
+A checkpoint must never need the unpickler to build objects: loading a file may not run
+code from it. So every node is written as plain data — tensors, numbers, strings, ``None``
+and tagged dicts/lists — and rebuilt here. ``@struct`` classes are named by
+``"module:qualname"`` and rebuilt only if they are registered ``@struct`` classes (imported
+from purestep's own packages when needed); anything else is refused with the path of the
+offending node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+import torch
+
+from engine.tree import STRUCTS
+
+__all__ = ["CheckpointError", "decode", "encode"]
+
+_KIND = "__kind__"
+_OWN_PACKAGES = ("engine", "loops", "hardware")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or read as asked (the message says why)."""
+
+
+def encode(value: Any, path: str = "") -> Any:
+    """``value`` as plain data (tensors kept as they are, detached)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise CheckpointError(f"cannot save {path or 'the root'}: it is a meta tensor")
+        return value.detach()
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {
+            _KIND: "dict",
+            "items": [[_key(k, path), encode(v, f"{path}[{k!r}]")] for k, v in value.items()],
+        }
+    if isinstance(value, list):
+        return {_KIND: "list", "items": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return {_KIND: "tuple", "items": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, torch.dtype):
+        return {_KIND: "dtype", "name": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {_KIND: "device", "name": str(value)}
+    cls = type(value)
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    if STRUCTS.get(name) is cls:
+        d = value.__dict__
+        return {
+            _KIND: "struct",
+            "type": name,
+            "data": {f: encode(d[f], f"{path}.{f}") for f in cls.__struct_data__},
+            "static": {f: encode(d[f], f"{path}.{f}") for f in cls.__struct_static__},
+        }
+    raise CheckpointError(
+        f"cannot save {path or 'the root'}: a {cls.__name__} is not a tensor, a number, a "
+        "string, a container or an @struct class"
+    )
+
+
+def _key(key: Any, path: str) -> Any:
+    if key is None or type(key) in (bool, int, float, str):
+        return key
+    if isinstance(key, (int, float, str)):
+        return encode(key, path)
+    raise CheckpointError(f"cannot save {path}: dict key {key!r} is not a str or a number")
+
+
+def _struct_class(name: str) -> type:
+    cls = STRUCTS.get(name)
+    if cls is None:
+        module = name.partition(":")[0]
+        if module.split(".")[0] in _OWN_PACKAGES:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+            cls = STRUCTS.get(name)
+    if cls is None:
+        raise CheckpointError(
+            f"the checkpoint holds a {name} but no such @struct class is loaded; import the "
+            "module that defines it before loading (or the checkpoint comes from a newer "
+            "version)"
+        )
+    return cls
+
+
+def decode(data: Any, path: str = "") -> Any:
+    """The value ``encode`` turned into ``data``."""
+    if not isinstance(data, dict):
+        if isinstance(data, (list, tuple)):
+            raise CheckpointError(f"malformed checkpoint at {path or 'the root'}: bare sequence")
+        return data
+    kind = data.get(_KIND)
+    if kind == "dict":
+        return {k: decode(v, f"{path}[{k!r}]") for k, v in data["items"]}
+    if kind == "list":
+        return [decode(v, f"{path}[{i}]") for i, v in enumerate(data["items"])]
+    if kind == "tuple":
+        return tuple(decode(v, f"{path}[{i}]") for i, v in enumerate(data["items"]))
+    if kind == "dtype":
+        dtype = getattr(torch, data["name"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"unknown dtype {data['name']!r} at {path}")
+        return dtype
+    if kind == "device":
+        return torch.device(data["name"])
+    if kind == "struct":
+        cls = _struct_class(data["type"])
+        fields = dict(data["data"])
+        fields.update(data["static"])
+        expected = cls.__struct_fields__
+        if set(fields) != expected:
+            raise CheckpointError(
+                f"{data['type']} at {path or 'the root'} has fields {sorted(fields)} in the "
+                f"checkpoint but {sorted(expected)} in this version"
+            )
+        obj = object.__new__(cls)
+        obj.__dict__.update({f: decode(v, f"{path}.{f}") for f, v in fields.items()})
+        return obj
+    raise CheckpointError(f"malformed checkpoint at {path or 'the root'}: unknown node {kind!r}")

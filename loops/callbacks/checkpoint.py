@@ -1,0 +1,376 @@
+"""``ModelCheckpoint``: when to save, under which name, and which files to keep.
+
+Lightning's ModelCheckpoint semantics as a pure callback: it decides and asks; the driver
+writes the files at its next commit point (so every checkpoint holds a state the loop can
+resume from exactly) and deletes evicted ones afterwards. Its bookkeeping — the best ``k``
+paths and scores, the best and last paths, the step of the last save — is its state inside
+``TrainState.callbacks``, so it is saved in every checkpoint and restored on resume.
+
+Saves happen at train-batch end (``every_n_train_steps``, ``train_time_interval``), at
+train-epoch end or validation end (``every_n_epochs``; which of the two follows
+``save_on_train_epoch_end``, resolved as Lightning does), at train end (a ``save_last`` that
+never saved) and on an exception (``save_on_exception``). Never twice at one global step,
+never before the first optimizer step, never during the sanity check or ``fast_dev_run``.
+Names come from ``filename`` (default ``"{epoch}-{step}"``, ``auto_insert_metric_name``
+turning ``{epoch}`` into ``epoch=3``), with ``-v1``, ``-v2``... when a file exists.
+The time-based trigger reads the driver's clock and keeps its last check outside the state.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from ..events import NOTHING, Context, Requests
+from .base import Callback
+
+__all__ = ["ModelCheckpoint"]
+
+_EXT = ".ckpt"
+_LAST = "last"
+
+
+def _float(value: Any) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints during fit (see the module docstring for the rules)."""
+
+    monitoring = True
+    checkpointing = True
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | str | None = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: Any = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"save_top_k must be an int >= -1, got {save_top_k!r}")
+        if save_last not in (None, True, False, "link"):
+            raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
+        for flag, value in (
+            ("every_n_train_steps", every_n_train_steps),
+            ("every_n_epochs", every_n_epochs),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{flag} must be an int >= 0 or None, got {value!r}")
+        interval = _seconds(train_time_interval)
+        if every_n_train_steps is None and every_n_epochs is None and interval is None:
+            every_n_epochs, every_n_train_steps = 1, 0
+        every_n_epochs = every_n_epochs or 0
+        every_n_train_steps = every_n_train_steps or 0
+        triggers = [every_n_train_steps >= 1, every_n_epochs >= 1, interval is not None]
+        if sum(triggers) > 1:
+            raise ValueError(
+                "every_n_train_steps, every_n_epochs and train_time_interval are mutually "
+                f"exclusive (got {every_n_train_steps}, {every_n_epochs}, {train_time_interval!r})"
+            )
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise ValueError(
+                f"save_top_k={save_top_k} needs a monitor: with no quantity to rank, only "
+                "-1 (keep all), 0 or 1 (keep the latest) make sense"
+            )
+        self.dirpath = None if dirpath is None else str(dirpath)
+        self.filename = filename
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_last = save_last
+        self.save_top_k = save_top_k
+        self.save_on_exception = save_on_exception
+        self.save_weights_only = save_weights_only
+        self.mode = mode
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs
+        self.train_time_interval = interval
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.enable_version_counter = enable_version_counter
+        self.name = name
+        self._last_time_checked: float | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def init(self) -> dict[str, Any]:
+        worst = math.inf if self.mode == "min" else -math.inf
+        return {
+            "dirpath": self.dirpath,
+            "best_k_models": {},
+            "kth_best_model_path": "",
+            "kth_value": worst,
+            "best_model_path": "",
+            "best_model_score": None,
+            "current_score": None,
+            "last_model_path": "",
+            "last_global_step_saved": 0,
+            "last_checkpoint_saved": "",
+            "deferred": False,
+        }
+
+    def best_model_path(self, state: dict[str, Any]) -> str:
+        return state["best_model_path"]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _skip(self, ctx: Context, state: dict[str, Any]) -> bool:
+        config = ctx.config
+        return (
+            bool(getattr(config, "fast_dev_run", 0))
+            or ctx.fn != "fit"
+            or ctx.stage == "sanity_check"
+            or state["last_global_step_saved"] == ctx.global_step
+        )
+
+    def _on_epoch_end(self, ctx: Context) -> bool:
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        config = ctx.config
+        if getattr(config, "check_val_every_n_epoch", 1) != 1:
+            return False
+        has_val = bool(ctx.extra.get("num_val_batches", 0))
+        return not has_val or getattr(config, "val_check_interval", 1.0) == 1.0
+
+    def _epoch_due(self, ctx: Context) -> bool:
+        return self.every_n_epochs >= 1 and (ctx.epoch + 1) % self.every_n_epochs == 0
+
+    def _dirpath(self, state: dict[str, Any], ctx: Context) -> str:
+        if state["dirpath"]:
+            return state["dirpath"]
+        root = ctx.log_dir or "."
+        return root.rstrip("/") + "/checkpoints"
+
+    def format_name(self, metrics: dict[str, Any], filename: str | None = None) -> str:
+        """The file stem for ``metrics`` under the template (Lightning's rules)."""
+        template = filename or self.filename or "{epoch}-{step}"
+        groups = re.findall(r"(\{.*?)[:\}]", template)
+        values = dict(metrics)
+        for group in sorted(set(groups), key=len, reverse=True):
+            name = group[1:]
+            if self.auto_insert_metric_name:
+                template = template.replace(group, name + "={" + name)
+            template = template.replace("{" + name, "{0[" + name + "]")
+            values.setdefault(name, 0)
+        return template.format(values)
+
+    def _metrics(self, ctx: Context) -> dict[str, Any]:
+        out = {k: _float(v) for k, v in ctx.metrics.items()}
+        out["epoch"] = int(out["epoch"]) if "epoch" in out else ctx.epoch
+        out["step"] = int(out["step"]) if "step" in out else ctx.global_step
+        return out
+
+    def _path(self, state: dict[str, Any], ctx: Context, stem: str, replaceable: str | None) -> str:
+        folder = self._dirpath(state, ctx).rstrip("/")
+        path = f"{folder}/{stem}{_EXT}"
+        if not self.enable_version_counter or ctx.exists is None:
+            return path
+        version = 1
+        while path != replaceable and ctx.exists(path):
+            path = f"{folder}/{stem}-v{version}{_EXT}"
+            version += 1
+        return path
+
+    def _request_save(self, path: str) -> Requests:
+        if self.save_weights_only:
+            return Requests(save_weights=(path,))
+        return Requests(save=(path,))
+
+    # ------------------------------------------------------------------ saving
+
+    def _save_top_k(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        if self.save_top_k == 0:
+            return state, NOTHING
+        metrics = self._metrics(ctx)
+        state = dict(state)
+        if self.monitor is None:
+            previous = state["best_model_path"]
+            path = self._path(state, ctx, self.format_name(metrics), previous)
+            requests = self._request_save(path)
+            if self.save_top_k == 1 and previous and previous != path:
+                requests = requests | Requests(remove=(previous,))
+            state["best_model_path"] = path
+            return self._saved(state, ctx, path), requests
+        if self.monitor not in ctx.metrics:
+            return state, Requests(
+                messages=(
+                    f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric; "
+                    f"available: {sorted(ctx.metrics)}. Nothing saved.",
+                )
+            )
+        current = _float(ctx.metrics[self.monitor])
+        if math.isnan(current):
+            current = math.inf if self.mode == "min" else -math.inf
+        state["current_score"] = current
+        best_k = dict(state["best_k_models"])
+        better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
+        if not (
+            self.save_top_k == -1
+            or len(best_k) < self.save_top_k
+            or better(current, best_k[state["kth_best_model_path"]])
+        ):
+            if self.verbose:
+                return state, Requests(
+                    messages=(
+                        f"Epoch {ctx.epoch}, global step {ctx.global_step}: {self.monitor!r} "
+                        f"was not in top {self.save_top_k}",
+                    )
+                )
+            return state, NOTHING
+        k = len(best_k) + 1 if self.save_top_k == -1 else self.save_top_k
+        evicted = None
+        if len(best_k) == k and k > 0:
+            evicted = state["kth_best_model_path"]
+            best_k.pop(evicted)
+        path = self._path(state, ctx, self.format_name(metrics), evicted)
+        best_k[path] = current
+        worst = max if self.mode == "min" else min
+        best = min if self.mode == "min" else max
+        if len(best_k) == k:
+            state["kth_best_model_path"] = worst(best_k, key=best_k.get)
+            state["kth_value"] = best_k[state["kth_best_model_path"]]
+        state["best_model_path"] = best(best_k, key=best_k.get)
+        state["best_model_score"] = best_k[state["best_model_path"]]
+        state["best_k_models"] = best_k
+        requests = self._request_save(path)
+        if evicted and evicted != path:
+            requests = requests | Requests(remove=(evicted,))
+        if self.verbose:
+            requests = requests | Requests(
+                messages=(
+                    f"Epoch {ctx.epoch}, global step {ctx.global_step}: {self.monitor!r} "
+                    f"reached {current:.5f} (best {state['best_model_score']:.5f}), saving "
+                    f"model to {path!r} as top {k}",
+                )
+            )
+        return self._saved(state, ctx, path), requests
+
+    def _save_last(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        if not self.save_last:
+            return state, NOTHING
+        state = dict(state)
+        previous = state["last_model_path"]
+        stem = self.format_name(self._metrics(ctx), _LAST)
+        path = self._path(state, ctx, stem, previous)
+        state["last_model_path"] = path
+        if self.save_last == "link" and state["last_checkpoint_saved"] and self.save_top_k != 0:
+            requests = Requests(link=((state["last_checkpoint_saved"], path),))
+        else:
+            requests = self._request_save(path)
+            state = self._saved(state, ctx, path)
+        if previous and previous != path:
+            requests = requests | Requests(remove=(previous,))
+        return state, requests
+
+    def _saved(self, state: dict[str, Any], ctx: Context, path: str) -> dict[str, Any]:
+        state["last_global_step_saved"] = ctx.global_step
+        state["last_checkpoint_saved"] = path
+        return state
+
+    def _save_all(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        state, top = self._save_top_k(state, ctx)
+        state, last = self._save_last(state, ctx)
+        return state, top | last
+
+    # ------------------------------------------------------------------ events
+
+    def on_fit_start(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        state = dict(state)
+        state["dirpath"] = self._dirpath(state, ctx)
+        return state, NOTHING
+
+    def on_train_start(
+        self, state: dict[str, Any], ctx: Context
+    ) -> tuple[dict[str, Any], Requests]:
+        self._last_time_checked = ctx.elapsed
+        return state, NOTHING
+
+    def on_train_batch_end(
+        self, state: dict[str, Any], ctx: Context
+    ) -> tuple[dict[str, Any], Requests]:
+        if self._skip(ctx, state):
+            return state, NOTHING
+        steps_due = (
+            self.every_n_train_steps >= 1 and ctx.global_step % self.every_n_train_steps == 0
+        )
+        time_due = False
+        if self.train_time_interval is not None:
+            if self._last_time_checked is None:
+                self._last_time_checked = ctx.elapsed
+            if ctx.elapsed - self._last_time_checked >= self.train_time_interval:
+                time_due = True
+                self._last_time_checked = ctx.elapsed
+        if not (steps_due or time_due):
+            return state, NOTHING
+        if self.monitor is not None and self.monitor not in ctx.metrics:
+            return {**state, "deferred": True}, NOTHING
+        return self._save_all(state, ctx)
+
+    def on_train_epoch_end(
+        self, state: dict[str, Any], ctx: Context
+    ) -> tuple[dict[str, Any], Requests]:
+        if self._skip(ctx, state) or not self._on_epoch_end(ctx):
+            return state, NOTHING
+        top = NOTHING
+        if self._epoch_due(ctx):
+            state, top = self._save_top_k(state, ctx)
+        state, last = self._save_last(state, ctx)
+        return state, top | last
+
+    def on_validation_end(
+        self, state: dict[str, Any], ctx: Context
+    ) -> tuple[dict[str, Any], Requests]:
+        if self._skip(ctx, state) or self._on_epoch_end(ctx):
+            return state, NOTHING
+        if state["deferred"]:
+            state = {**state, "deferred": False}
+            return self._save_all(state, ctx)
+        top = NOTHING
+        if self._epoch_due(ctx):
+            state, top = self._save_top_k(state, ctx)
+        state, last = self._save_last(state, ctx)
+        return state, top | last
+
+    def on_train_end(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        never_saved = not state["last_checkpoint_saved"]
+        fast = getattr(ctx.config, "fast_dev_run", 0)
+        if self.save_last and never_saved and ctx.fn == "fit" and ctx.global_step > 0 and not fast:
+            return self._save_last(state, ctx)
+        return state, NOTHING
+
+    def on_exception(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        if not self.save_on_exception or ctx.fn != "fit" or ctx.stage == "sanity_check":
+            return state, NOTHING
+        if (
+            getattr(ctx.config, "fast_dev_run", 0)
+            or state["last_global_step_saved"] == ctx.global_step
+        ):
+            return state, NOTHING
+        return self._save_all(state, ctx)
+
+
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if hasattr(value, "total_seconds"):
+        return float(value.total_seconds())
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise ValueError(f"train_time_interval must be a timedelta or seconds, got {value!r}")
