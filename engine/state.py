@@ -98,6 +98,10 @@ def init(
     strategy, when given, places the state on its device, converts it to its precision and
     supplies the loss-scaler state. The optimizer state covers the trainable parameters only.
     """
+    if strategy is not None:
+        built = strategy.build_state(model, optimizer, seed=seed, init_fn=init_fn)
+        if built is not NotImplemented:
+            return built
     run_key = rng.key(seed)
     has_meta = any(t.is_meta for t in _tensors(model))
     source = _materialize(model, run_key, init_fn) if has_meta else model

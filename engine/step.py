@@ -404,6 +404,19 @@ def train_step(
     parameters the loss does not use as zero instead of raising. ``grad_norm``: report the
     global gradient norm in the output.
     """
+    if strategy is not None:
+        built = strategy.build_train_step(
+            model,
+            loss_fn,
+            optimizer,
+            accumulate=accumulate,
+            donate=donate,
+            grad=grad,
+            allow_unused=allow_unused,
+            grad_norm=grad_norm,
+        )
+        if built is not NotImplemented:
+            return built
     return TrainStep(
         model,
         loss_fn,
@@ -498,6 +511,10 @@ def eval_step(
     returns a dict (the loss under ``"loss"``). ``index`` (the batch's position in the
     evaluation) enters the key of any random draw.
     """
+    if strategy is not None:
+        built = strategy.build_eval_step(model, fn)
+        if built is not NotImplemented:
+            return built
     return EvalStep(model, fn, strategy)
 
 
@@ -508,4 +525,8 @@ def predict_step(
     strategy: Strategy | None = None,
 ) -> PredictStep:
     """Build ``step(state, batch, index=0) -> prediction`` (``fn`` defaults to ``apply(batch)``)."""
+    if strategy is not None:
+        built = strategy.build_predict_step(model, fn)
+        if built is not NotImplemented:
+            return built
     return PredictStep(model, fn, strategy)

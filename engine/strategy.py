@@ -90,6 +90,23 @@ class Strategy:
         """The step a loop should call under this strategy (the step itself here)."""
         return step
 
+    # Strategies that change the shape of the computation (e.g. ensembles, which vmap the
+    # step over a leading axis of the state) build the state and the steps themselves.
+    # ``engine.init`` / ``engine.train_step`` / ``eval_step`` / ``predict_step`` call these
+    # first; returning ``NotImplemented`` (the default) means "use the ordinary builder".
+
+    def build_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        return NotImplemented
+
+    def build_train_step(self, model: Any, loss_fn: Any, optimizer: Any, **kwargs: Any) -> Any:
+        return NotImplemented
+
+    def build_eval_step(self, model: Any, fn: Any) -> Any:
+        return NotImplemented
+
+    def build_predict_step(self, model: Any, fn: Any) -> Any:
+        return NotImplemented
+
     def rng_devices(self) -> tuple[torch.device, ...]:
         """Devices whose default generators a step must seed (CPU is always seeded)."""
         if self.device is not None and self.device.type != "cpu":
