@@ -73,6 +73,8 @@ def hash_str(text: str) -> int:
 
 
 def _as_int(value: object, what: str) -> int:
+    if type(value) is int:
+        return value & _MASK
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, str):
             return hash_str(value)
@@ -93,7 +95,13 @@ def fold_in(k: Key, *data: int | str) -> Key:
     """A new key derived from ``k`` and the integers (or strings) in ``data``, in order."""
     k = _as_int(k, "key")
     for d in data:
-        k = _mix(k ^ _mix((_as_int(d, "fold_in data") + _GOLDEN) & _MASK))
+        z = ((d if type(d) is int else _as_int(d, "fold_in data")) + _GOLDEN) & _MASK
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        z = k ^ z ^ (z >> 31)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        k = z ^ (z >> 31)
     return k
 
 

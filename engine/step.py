@@ -16,7 +16,6 @@ the ``nn.Module`` it is; do not keep it beyond the call). It returns a scalar lo
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ from . import optim, rng
 from .bind import Binder
 from .state import Progress, TrainState, trainable_names
 from .strategy import Local, Strategy
-from .tree import global_norm, leaves, map, struct
+from .tree import leaves, map, struct
 
 __all__ = ["Gradients", "StepOutput", "TrainStep", "eval_step", "predict_step", "train_step"]
 
@@ -41,16 +40,28 @@ class StepOutput:
     ``loss`` is the loss of this micro-batch as the loss function returned it (detached, not
     divided by the accumulation factor); ``metrics`` the loss function's other outputs
     (detached); ``grad_norm`` the global L2 norm of the gradients used by the optimizer
-    (None when no optimizer step closed on this call, or when disabled); ``stepped`` whether
+    (None when no optimizer step closed on this call, or when disabled; kept as per-tensor
+    norms in ``grad_norms`` and combined on access, as ``clip_grad_norm_`` combines them,
+    so a loop that never looks pays only for one foreach op); ``stepped`` whether
     an optimizer step happened on this call; ``skipped`` whether that step was skipped
     because the float16 gradients were not finite.
     """
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
-    grad_norm: torch.Tensor | None
+    grad_norms: tuple[torch.Tensor, ...] | None
     stepped: bool
     skipped: bool
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global L2 norm of the gradients (computed from per-tensor norms on access)."""
+        norms = self.grad_norms
+        if norms is None:
+            return None
+        if not norms:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 @struct
@@ -164,6 +175,8 @@ class TrainStep:
         self._all_trainable = len(self.trainable) == len(self.binder.param_names)
         self._rng_devices = self.strategy.rng_devices()
         self._checked = False
+        self._key_for: int | None = None
+        self._key_prefix = 0
 
     def __repr__(self) -> str:
         return (
@@ -209,7 +222,10 @@ class TrainStep:
             )
 
         batch = precision.convert_input(strategy.place(batch))
-        key = rng.fold_in(state.rng, rng.Purpose.TRAIN, progress.step, micro, strategy.rank)
+        if state.rng != self._key_for:
+            self._key_for = state.rng
+            self._key_prefix = rng.fold_in(state.rng, rng.Purpose.TRAIN)
+        key = rng.fold_in(self._key_prefix, progress.step, micro, strategy.rank)
         loss_scale = state.precision.scale if scaler is not None else 1.0
         divisor = k if k > 1 else 1
 
@@ -262,16 +278,25 @@ class TrainStep:
         return state, Gradients(grads, finite, output, n)
 
     def apply(self, state: TrainState, grads: Gradients) -> tuple[TrainState, StepOutput]:
-        """The second half of a step: the optimizer update on gradients from ``backward``."""
+        """The second half of a step: the optimizer update on gradients from ``backward``.
+
+        Consumes ``grads``: the optimizer may reuse their storage, so apply each
+        ``Gradients`` once.
+        """
         if not grads.ready:
             raise ValueError("these gradients are not ready: the accumulation window is open")
         params = state.params
         progress = state.progress
         values = grads.grads
-        norm = global_norm(values) if self.compute_grad_norm else None
+        norms = (
+            tuple(torch._foreach_norm(list(values.values()), 2.0))
+            if self.compute_grad_norm
+            else None
+        )
         if grads.finite:
             trainable = params if self._all_trainable else {n: params[n] for n in self.trainable}
-            with optim.donating() if self.donate else contextlib.nullcontext():
+            # The gradients are this step's own temporaries: the optimizer may reuse them.
+            with optim.donating() if self.donate else optim.owning_updates():
                 new_trainable, opt_state = optim.step(
                     self.optimizer, values, state.opt_state, trainable
                 )
@@ -292,7 +317,7 @@ class TrainStep:
             progress=new_progress,
             grad_accum=None,
         )
-        return new_state, grads.output.replace(grad_norm=norm)
+        return new_state, grads.output.replace(grad_norms=norms)
 
     # ------------------------------------------------------------------ gradients
 

@@ -29,6 +29,8 @@ from .base import (
     donating,
     identity,
     is_donating,
+    owning_updates,
+    owns_updates,
     set_to_zero,
     step,
 )
@@ -76,6 +78,8 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "is_donating",
+    "owning_updates",
+    "owns_updates",
     "masked",
     "partition",
     "rmsprop",

@@ -21,7 +21,7 @@ import torch
 from engine.tree import struct
 
 from . import _util
-from .base import GradientTransformation, Params, Updates, is_donating
+from .base import GradientTransformation, Params, Updates, is_donating, owns_updates
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -94,7 +94,7 @@ def _adam(
         g: list, p: list, m: list, v: list, vmax: list, *, lr: float, t: int, fused: bool
     ) -> tuple:
         donate = is_donating()
-        owned = donate
+        owned = owns_updates()
         if maximize:
             g = _util.neg(g, owned)
             owned = True
@@ -117,7 +117,6 @@ def _adam(
             m = torch._foreach_lerp(m, g, 1 - beta1)
             v = torch._foreach_mul(v, beta2)
         torch._foreach_addcmul_(v, g, g, 1 - beta2)
-        del g
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
         step_size = (lr / bias_correction1) * -1
@@ -127,9 +126,15 @@ def _adam(
                 torch._foreach_maximum_(vmax, v)
             else:
                 vmax = torch._foreach_maximum(vmax, v)
-            denom = torch._foreach_sqrt(vmax)
+        source = vmax if amsgrad else v
+        if owned:
+            # The gradients are ours: reuse them for the denominator (no new allocation).
+            torch._foreach_copy_(g, source)
+            torch._foreach_sqrt_(g)
+            denom = g
         else:
-            denom = torch._foreach_sqrt(v)
+            denom = torch._foreach_sqrt(source)
+        del g
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
         if fused:

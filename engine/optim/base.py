@@ -39,6 +39,8 @@ __all__ = [
     "donating",
     "identity",
     "is_donating",
+    "owning_updates",
+    "owns_updates",
     "set_to_zero",
     "step",
 ]
@@ -82,6 +84,29 @@ def donating(enabled: bool = True) -> Iterator[None]:
 def is_donating() -> bool:
     """Whether the current context donates inputs (``donating()``)."""
     return _DONATING.get()
+
+
+_OWNS_UPDATES: ContextVar[bool] = ContextVar("purestep_optim_owns_updates", default=False)
+
+
+@contextlib.contextmanager
+def owning_updates(enabled: bool = True) -> Iterator[None]:
+    """Within this block the incoming updates (gradients) are the transform's to overwrite.
+
+    Weaker than ``donating()``: states and params stay untouched; only the gradient tensors
+    handed to ``update``/``apply`` may be reused as scratch space (the train step does this
+    with the fresh gradients it owns, saving a parameter-sized temporary).
+    """
+    token = _OWNS_UPDATES.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _OWNS_UPDATES.reset(token)
+
+
+def owns_updates() -> bool:
+    """Whether the incoming updates may be overwritten (``owning_updates()`` or donating)."""
+    return _OWNS_UPDATES.get() or _DONATING.get()
 
 
 # --------------------------------------------------------------------------- applying
