@@ -1,10 +1,8 @@
 """Stop training after a time budget (Lightning's ``Timer`` / ``Trainer(max_time=...)``).
 
-Time comes from ``ctx.elapsed`` (the driver's clock); the callback never reads a clock.
-Training time is the training time restored from the state plus the driver-clock seconds
-since this run's ``on_train_start``, so a resumed run continues its budget whether or not
-the driver's clock itself restarts at zero. The state records the time of every stage
-(``time_elapsed``), so it is saved in checkpoints with the rest of the run.
+Time comes from ``ctx.elapsed``, the driver's training clock, which a resumed run restores
+from the checkpoint's metadata; the callback never reads a clock and keeps no time in the
+training state.
 """
 
 from __future__ import annotations
@@ -73,10 +71,15 @@ def _hms(seconds: float) -> str:
 class Timer(Callback):
     """Request a stop once training has run for ``duration``.
 
-    Checked at ``on_fit_start`` (a restored run whose budget is spent trains no epoch), and
-    at ``on_train_batch_end`` (``interval="step"``) or ``on_train_epoch_end``
-    (``interval="epoch"``). With ``verbose`` the stop comes with a message. Read the times
-    with ``time_elapsed(state, stage)`` and ``time_remaining(state, stage)``.
+    Training time is ``ctx.elapsed``: the driver's clock, which starts at the training start
+    (after the sanity check), includes validation inside fit, and includes the time restored
+    from a checkpoint's metadata. Nothing time-related is kept in the training state — a
+    clock reading is no function of the computation, and a resumed run must end with a
+    state bitwise equal to an uninterrupted one. Checked at ``on_fit_start`` (a restored run
+    whose budget is spent trains no epoch), and at ``on_train_batch_end``
+    (``interval="step"``) or ``on_train_epoch_end`` (``interval="epoch"``). With ``verbose``
+    the stop comes with a message. ``time_elapsed(stage)`` / ``time_remaining()`` read the
+    times this process saw (evaluation stages timed by the driver's clock of their run).
     """
 
     def __init__(
@@ -93,83 +96,74 @@ class Timer(Callback):
         self.verbose = verbose
         if name is not None:
             self.name = name
-
-    def init(self) -> dict[str, Any]:
-        """``time_elapsed``: seconds per stage (train: the whole run's, including restored
-        time; others: the latest run of that stage); ``start``: the driver-clock reading at
-        the start of each stage's current run; ``offset``: training time before this run."""
-        return {
-            "time_elapsed": {s: 0.0 for s in _STAGES},
-            "start": {s: None for s in _STAGES},
-            "offset": 0.0,
-        }
+        self._elapsed: dict[str, float] = {s: 0.0 for s in _STAGES}
+        self._start: dict[str, float | None] = {s: None for s in _STAGES}
 
     # ----------------------------------------------------------------------- reading
 
-    def time_elapsed(
-        self, state: Any, stage: str = Stage.TRAIN, ctx: Context | None = None
-    ) -> float:
-        """Seconds spent in ``stage``: as of the last event the timer saw, or live at ``ctx``."""
-        if ctx is not None and stage == Stage.TRAIN:
-            return _train_time(state, ctx)
-        if ctx is not None and state["start"].get(stage) is not None:
-            return ctx.elapsed - state["start"][stage]
-        return state["time_elapsed"][stage]
+    def time_elapsed(self, stage: str = Stage.TRAIN, ctx: Context | None = None) -> float:
+        """Seconds spent in ``stage`` as of the last event seen, or live at ``ctx``."""
+        if ctx is not None:
+            if stage == Stage.TRAIN:
+                return ctx.elapsed
+            start = self._start.get(stage)
+            if start is not None:
+                return ctx.elapsed - start
+        return self._elapsed[stage]
 
-    def time_remaining(
-        self, state: Any, stage: str = Stage.TRAIN, ctx: Context | None = None
-    ) -> float | None:
-        """Seconds left of the budget (``None`` without a duration)."""
+    def time_remaining(self, ctx: Context | None = None) -> float | None:
+        """Seconds left of the training budget (``None`` without a duration)."""
         if self.duration is None:
             return None
-        return self.duration - self.time_elapsed(state, stage, ctx)
+        return self.duration - self.time_elapsed(Stage.TRAIN, ctx)
 
     # ----------------------------------------------------------------------- events
 
     def on_fit_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        state = {
-            "time_elapsed": state["time_elapsed"],
-            "start": {s: None for s in _STAGES},
-            "offset": state["time_elapsed"][Stage.TRAIN],
-        }
-        return state, self._check(state["offset"])
-
-    def on_train_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        start = {**state["start"], Stage.TRAIN: ctx.elapsed}
-        return {**state, "start": start, "offset": state["time_elapsed"][Stage.TRAIN]}, NOTHING
+        self._elapsed[Stage.TRAIN] = ctx.elapsed
+        return state, self._check(ctx.elapsed)
 
     def on_train_batch_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        state, elapsed = _record_train(state, ctx)
-        return state, self._check(elapsed) if self.interval == "step" else NOTHING
+        self._elapsed[Stage.TRAIN] = ctx.elapsed
+        return state, self._check(ctx.elapsed) if self.interval == "step" else NOTHING
 
     def on_train_epoch_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        state, elapsed = _record_train(state, ctx)
-        return state, self._check(elapsed) if self.interval == "epoch" else NOTHING
+        self._elapsed[Stage.TRAIN] = ctx.elapsed
+        return state, self._check(ctx.elapsed) if self.interval == "epoch" else NOTHING
 
     def on_train_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        state, _ = _record_train(state, ctx)
-        return {**state, "start": {**state["start"], Stage.TRAIN: None}}, NOTHING
+        self._elapsed[Stage.TRAIN] = ctx.elapsed
+        return state, NOTHING
 
     def on_validation_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        return _start(state, ctx, ctx.stage or Stage.VALIDATE), NOTHING
+        self._start[ctx.stage or Stage.VALIDATE] = ctx.elapsed
+        return state, NOTHING
 
     def on_validation_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        state = _end(state, ctx, ctx.stage or Stage.VALIDATE)
-        if ctx.fn == "fit" and state["start"][Stage.TRAIN] is not None:
-            state, _ = _record_train(state, ctx)
+        self._end(ctx.stage or Stage.VALIDATE, ctx)
         return state, NOTHING
 
     def on_test_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        return _start(state, ctx, Stage.TEST), NOTHING
+        self._start[Stage.TEST] = ctx.elapsed
+        return state, NOTHING
 
     def on_test_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        return _end(state, ctx, Stage.TEST), NOTHING
+        self._end(Stage.TEST, ctx)
+        return state, NOTHING
 
     def on_predict_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        return _start(state, ctx, Stage.PREDICT), NOTHING
+        self._start[Stage.PREDICT] = ctx.elapsed
+        return state, NOTHING
 
     def on_predict_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        return _end(state, ctx, Stage.PREDICT), NOTHING
+        self._end(Stage.PREDICT, ctx)
+        return state, NOTHING
+
+    def _end(self, stage: str, ctx: Context) -> None:
+        start = self._start.get(stage)
+        if start is not None:
+            self._elapsed[stage] = ctx.elapsed - start
+            self._start[stage] = None
 
     def _check(self, elapsed: float) -> Requests:
         if self.duration is None or elapsed < self.duration:
@@ -178,29 +172,3 @@ class Timer(Callback):
             return Requests(stop=True)
         text = f"Time limit reached. Elapsed time is {_hms(elapsed)}. Signaling Trainer to stop."
         return Requests(stop=True, messages=(text,))
-
-
-def _train_time(state: Any, ctx: Context) -> float:
-    """Restored training time plus driver-clock seconds since this run's training start."""
-    start = state["start"][Stage.TRAIN]
-    return state["offset"] + ctx.elapsed - (start if start is not None else 0.0)
-
-
-def _record_train(state: Any, ctx: Context) -> tuple[Any, float]:
-    elapsed = _train_time(state, ctx)
-    return {**state, "time_elapsed": {**state["time_elapsed"], Stage.TRAIN: elapsed}}, elapsed
-
-
-def _start(state: Any, ctx: Context, stage: str) -> Any:
-    return {**state, "start": {**state["start"], stage: ctx.elapsed}}
-
-
-def _end(state: Any, ctx: Context, stage: str) -> Any:
-    start = state["start"].get(stage)
-    if start is None:
-        return state
-    return {
-        **state,
-        "time_elapsed": {**state["time_elapsed"], stage: ctx.elapsed - start},
-        "start": {**state["start"], stage: None},
-    }
