@@ -1,3 +1,90 @@
-"""Loop compositions over the engine's pure steps (fit, validate, test, predict)."""
+"""Loop compositions over the engine's pure steps: fit, validate, test, predict, the Trainer.
 
-__all__: list[str] = []
+The pieces, from the bottom up: deterministic data order (``source``, ``batches``,
+``combine``, ``as_list``, ``keyed``); the loop flags (``LoopConfig``) and every loop decision
+as a pure function (``schedule``); events, the read-only ``Context`` and ``Requests`` that
+pure ``callbacks`` return; ``loggers``; the ``Driver`` that carries out effects; the
+compositions ``fit`` / ``FitLoop``, ``validate``, ``test``, ``run_evaluation``, ``predict``,
+``run_prediction``; and the Lightning-shaped ``Trainer`` with ``Task`` and ``DataModule``.
+``log(value, on_step=..., on_epoch=...)`` chooses how a value a step returns is logged.
+``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use.
+
+Note: the names ``fit``, ``evaluate`` and ``predict`` are the functions; the modules of the
+same names stay importable (``from loops.fit import FitLoop``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import callbacks, data, loggers, schedule
+from .aggregate import log
+from .config import FLAG_NAMES, LoopConfig
+from .data import Batches, as_list, batches, combine, keyed, source
+from .driver import Driver
+from .evaluate import evaluate, run_evaluation, test, validate
+from .events import (
+    EVENTS,
+    FIT_EVENTS,
+    PREDICT_EVENTS,
+    TEST_EVENTS,
+    VALIDATE_EVENTS,
+    Context,
+    Requests,
+    Stage,
+    dispatch,
+)
+from .fit import FitLoop, fit
+from .loop_state import LoopState
+from .predict import predict, run_prediction
+from .task import DataModule, Task, task_callback
+from .trainer import Trainer, TrainerStatus
+
+__all__ = [
+    "EVENTS",
+    "FIT_EVENTS",
+    "FLAG_NAMES",
+    "PREDICT_EVENTS",
+    "TEST_EVENTS",
+    "VALIDATE_EVENTS",
+    "Batches",
+    "Context",
+    "DataModule",
+    "Driver",
+    "FitLoop",
+    "LoopConfig",
+    "LoopState",
+    "Requests",
+    "Stage",
+    "Task",
+    "Trainer",
+    "TrainerStatus",
+    "as_list",
+    "batches",
+    "callbacks",
+    "combine",
+    "data",
+    "dispatch",
+    "evaluate",
+    "fit",
+    "keyed",
+    "log",
+    "loggers",
+    "predict",
+    "run_evaluation",
+    "run_prediction",
+    "schedule",
+    "source",
+    "task_callback",
+    "test",
+    "testing",
+    "validate",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "testing":  # needs hypothesis, so only imported when asked for
+        import importlib
+
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,309 @@
+"""The effectful edge of a loop: fires events and carries out what callbacks request.
+
+The loop compositions (``fit``, ``validate``, ``test``, ``predict``) are written in terms of
+pure steps, pure decisions and this one object. A ``Driver`` builds the read-only ``Context``
+of each event, lets observers (the progress bar) see it, dispatches it to the pure callbacks
+and then carries out their ``Requests``: stop (recorded in the loop state), log (to the
+loggers and to the values callbacks see), save / remove / link checkpoint files (queued and
+written at the next commit point, so a checkpoint always holds a state the loop can resume
+from exactly), and messages (printed on the primary process). It also owns the clock:
+elapsed training time is the driver's, restored from checkpoint metadata on resume.
+
+Logging follows Lightning: values callbacks log during the sanity check are dropped;
+values logged inside ``collecting()`` (the loops use it around the epoch-end events) are
+handed back to the loop, which writes them in the same row as the epoch's aggregated values;
+everything else is written at once at ``logger_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from engine.state import TrainState
+
+from . import loop_state
+from .callbacks.base import Callback
+from .events import Context, Requests, Stage, _overrides, dispatch
+
+__all__ = ["Driver"]
+
+
+def _print_message(text: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
+
+
+class Driver:
+    """Carries out a loop's effects; see the module docstring.
+
+    ``fn``: the entry point ("fit", "validate", "test", "predict"). ``checkpointer(state,
+    path, driver)`` writes a checkpoint (the Trainer passes one that writes atomically with
+    metadata); without one, save requests are an error. ``remover(path)`` / ``linker(target,
+    link)`` carry out remove and link requests (primary process only). ``exists`` tells
+    callbacks whether a file exists. ``printer`` shows messages; ``clock`` is the time source
+    of ``elapsed()`` (inject a fake one in tests). ``extra`` is merged into every context's
+    ``extra`` (the loops add ``"model"``, the module template, and ``"num_loggers"``).
+
+    Mutable attributes the loops set: ``stage`` (the running ``Stage`` or None),
+    ``status`` ("initializing", "running", "finished", "interrupted"), ``logger_step`` (the
+    x-axis value of rows written now), ``progress_bar_metrics``.
+    """
+
+    def __init__(
+        self,
+        *,
+        fn: str,
+        callbacks: Sequence[Callback] = (),
+        loggers: Sequence[Any] = (),
+        observers: Sequence[Any] = (),
+        config: Any = None,
+        strategy: Any = None,
+        log_dir: str | None = None,
+        checkpointer: Callable[[TrainState, str, Driver], None] | None = None,
+        remover: Callable[[str], None] | None = None,
+        linker: Callable[[str, str], None] | None = None,
+        exists: Callable[[str], bool] | None = None,
+        printer: Callable[[str], None] = _print_message,
+        clock: Callable[[], float] = time.monotonic,
+        elapsed_offset: float = 0.0,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.callbacks = callbacks
+        self.loggers = list(loggers)
+        self.observers = list(observers)
+        self.config = config
+        self.strategy = strategy
+        self.log_dir = log_dir
+        self.checkpointer = checkpointer
+        self.remover = remover
+        self.linker = linker
+        self.exists = exists
+        self.printer = printer
+        self.clock = clock
+        self.elapsed_offset = elapsed_offset
+        self.extra = dict(extra or {})
+        self.stage: str | None = None
+        self.status = "initializing"
+        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self.pending: list[Requests] = []
+        self.logger_step = 0
+        self.last_commit: TrainState | None = None
+        self._started: float | None = None
+        self._collectors: list[dict[str, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ identity and time
+
+    @property
+    def callbacks(self) -> tuple[Callback, ...]:
+        """The callbacks, in dispatch order (assign a new sequence to change them)."""
+        return self._callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: Sequence[Callback]) -> None:
+        self._callbacks = tuple(callbacks)
+        self._handled: dict[str, bool] = {}
+
+    def handles(self, event: str) -> bool:
+        """Whether any callback handles ``event`` (cached; events nobody handles and no
+        observer watches cost no context)."""
+        handled = self._handled.get(event)
+        if handled is None:
+            handled = self._handled[event] = any(_overrides(cb, event) for cb in self._callbacks)
+        return handled
+
+    @property
+    def rank(self) -> int:
+        return getattr(self.strategy, "rank", 0)
+
+    @property
+    def world_size(self) -> int:
+        return getattr(self.strategy, "world_size", 1)
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    def start_clock(self) -> None:
+        """Start measuring training time (on top of any time restored from a checkpoint)."""
+        self._started = self.clock()
+
+    def elapsed(self) -> float:
+        """Seconds of training so far, including time restored from a checkpoint."""
+        if self._started is None:
+            return self.elapsed_offset
+        return self.elapsed_offset + (self.clock() - self._started)
+
+    def set_default_extra(self, **values: Any) -> None:
+        """Give ``extra`` entries the caller did not set (the loops add the model template
+        and the number of loggers this way, so callbacks see them however they are run)."""
+        for key, value in values.items():
+            self.extra.setdefault(key, value)
+
+    # ------------------------------------------------------------------ events
+
+    def context(self, state: TrainState, **fields: Any) -> Context:
+        """The read-only view of the loop that callbacks get (``fields`` fill the rest)."""
+        loop = loop_state.get(state)
+        extra = {**self.extra, "progress_bar_metrics": dict(self.progress_bar_metrics)}
+        extra.update(fields.pop("extra", {}))
+        return Context(
+            stage=fields.pop("stage", self.stage),
+            fn=self.fn,
+            state=state,
+            metrics=loop.callback_metrics,
+            should_stop=loop.should_stop,
+            elapsed=self.elapsed(),
+            config=self.config,
+            log_dir=self.log_dir,
+            world_size=self.world_size,
+            rank=self.rank,
+            exists=self.exists,
+            extra=extra,
+            **fields,
+        )
+
+    def fire(self, event: str, state: TrainState, **fields: Any) -> TrainState:
+        """Announce ``event``: observers see it, callbacks handle it, requests are carried out."""
+        if not self.observers and not self.handles(event):
+            return state
+        ctx = self.context(state, **fields)
+        for observer in self.observers:
+            observer.on_event(event, ctx)
+        state, requests = dispatch(event, self.callbacks, state, ctx)
+        if requests:
+            state = self.carry_out(state, requests)
+        return state
+
+    def carry_out(self, state: TrainState, requests: Requests) -> TrainState:
+        """Do what callbacks asked: stop, log, queue file work, print."""
+        log = requests.log if self.stage != Stage.SANITY_CHECK else {}
+        if requests.stop or log:
+            loop = loop_state.get(state)
+            changes: dict[str, Any] = {}
+            if requests.stop and not loop.should_stop:
+                changes["should_stop"] = True
+            if log:
+                values = {k: _as_tensor(v) for k, v in log.items()}
+                changes["callback_metrics"] = {**loop.callback_metrics, **values}
+                if self._collectors:
+                    self._collectors[-1].update(values)
+                else:
+                    self.log_metrics(values, self.logger_step)
+            if changes:
+                state = loop_state.put(state, loop.replace(**changes))
+        if requests.save or requests.remove or requests.link:
+            self.pending.append(
+                Requests(save=requests.save, remove=requests.remove, link=requests.link)
+            )
+        for message in requests.messages:
+            self.say(message)
+        return state
+
+    def say(self, text: str) -> None:
+        """Show a line to the user (primary process only)."""
+        if self.is_primary:
+            self.printer(text)
+
+    # ------------------------------------------------------------------ logging
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Hold back the values callbacks log in this block; the loop writes them itself."""
+        collected: dict[str, torch.Tensor] = {}
+        self._collectors.append(collected)
+        try:
+            yield collected
+        finally:
+            self._collectors.pop()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Send ``metrics`` to every logger at ``step`` (primary process only)."""
+        if not metrics or not self.is_primary:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step)
+            logger.save()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Send the run's hyper-parameters to every logger (primary process only)."""
+        if not self.is_primary:
+            return
+        for logger in self.loggers:
+            logger.log_hyperparams(params)
+            logger.save()
+
+    def finalize(self, status: str) -> None:
+        """Close the loggers with ``status`` ("success", "failed" or "interrupted")."""
+        if not self.is_primary:
+            return
+        for logger in self.loggers:
+            logger.finalize(status)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def commit(self, state: TrainState) -> None:
+        """Write the checkpoints requested since the last commit, then remove and link files.
+
+        Called by the loops only at points they can resume from exactly (after a batch is
+        fully processed, after an epoch ends), so every checkpoint holds such a state. The
+        state is remembered as ``last_commit``.
+        """
+        self.last_commit = state
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        for requests in pending:
+            if requests.save and self.checkpointer is None:
+                raise RuntimeError(
+                    f"a callback asked to save {list(requests.save)} but this loop has no "
+                    "checkpointer; pass one to the Driver (the Trainer does)"
+                )
+            for path in requests.save:
+                self.checkpointer(state, path, self)
+        for requests in pending:
+            for target, link in requests.link:
+                if self.linker is not None and self.is_primary:
+                    self.linker(target, link)
+            for path in requests.remove:
+                if self.remover is not None and self.is_primary:
+                    self.remover(path)
+
+    # ------------------------------------------------------------------ failures
+
+    def handle_exception(self, state: TrainState, exc: BaseException) -> TrainState:
+        """Lightning's interrupt handling: status "interrupted", ``on_exception`` for every
+        callback, then the loggers finalized ("interrupted" for Ctrl-C, else "failed").
+
+        Files callbacks ask for at ``on_exception`` are written with the last committed
+        state (the latest one the loop can resume from exactly). After a failure other than
+        Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in Lightning. The
+        caller re-raises or returns; this returns the state after ``on_exception``.
+        """
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        self.status = "interrupted"
+        if interrupted:
+            self.say("Detected KeyboardInterrupt, attempting graceful shutdown ...")
+        try:
+            state = self.fire("on_exception", state, exception=exc)
+            if self.pending and self.last_commit is not None:
+                self.commit(self.last_commit)
+        finally:
+            self.pending = []
+            self.finalize("interrupted" if interrupted else "failed")
+            if not interrupted:
+                self.stage = None
+        return state
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return torch.tensor(float(value))

@@ -1,0 +1,233 @@
+"""Evaluation: run an eval step over one or several datasets and aggregate what it returns.
+
+``run_evaluation`` is the primitive that ``fit`` (validation and the sanity check),
+``validate`` and ``test`` share: the ``on_validation_*`` / ``on_test_*`` events in
+Lightning's order, per-dataloader aggregation of the step's values (epoch means weighted by
+batch size; ``/dataloader_idx_<i>`` suffixes when there are several dataloaders), the values
+callbacks see, and logging. An evaluation with no batches at all is skipped: no events fire
+and the result is ``[]``. The sanity check logs nothing and leaves the values callbacks see
+untouched. ``validate`` and ``test`` are the stand-alone compositions.
+
+Logging (Lightning's rules): epoch values go to the loggers in one row at the end, at the
+driver's ``logger_step`` (during fit: the step of the last training row), together with what
+callbacks logged at ``on_*_epoch_end`` and the current ``epoch``; values a step logs with
+``on_step=True`` are written every batch, at a per-dataloader counter that survives across
+the validations of one fit and does not count sanity-check batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.state import TrainState
+from engine.step import _batch_size
+
+from . import aggregate, loop_state, schedule
+from .callbacks.base import init_states
+from .driver import Driver
+from .events import Stage
+
+__all__ = ["run_evaluation", "test", "validate"]
+
+EvalStep = Callable[..., Any]
+
+
+def _event_prefix(stage: str) -> str:
+    return "test" if stage == Stage.TEST else "validation"
+
+
+def _counter_key(fn: str, stage: str, dataloader_idx: int) -> str:
+    return f"{fn}/{_event_prefix(stage)}/{dataloader_idx}"
+
+
+def run_evaluation(
+    state: TrainState,
+    step: EvalStep,
+    sources: Sequence[Any],
+    *,
+    stage: str,
+    driver: Driver,
+    max_batches: Sequence[int | float],
+    epoch: int | None = None,
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """Evaluate ``state`` on every source; return the new state and one dict per source.
+
+    ``stage`` is ``Stage.VALIDATE``, ``Stage.SANITY_CHECK`` or ``Stage.TEST``;
+    ``max_batches[i]`` limits source ``i``; ``epoch`` picks the data order of the sources
+    (the current epoch by default). Sources are ``loops.data`` batch streams. Each result
+    dict holds that source's logged epoch values (suffixed when there are several sources)
+    and what callbacks logged at ``on_*_epoch_end``.
+    """
+    if stage not in (Stage.VALIDATE, Stage.SANITY_CHECK, Stage.TEST):
+        raise ValueError(
+            f"run_evaluation: stage must be {Stage.VALIDATE!r}, {Stage.SANITY_CHECK!r} or "
+            f"{Stage.TEST!r}, got {stage!r}"
+        )
+    if len(max_batches) != len(sources):
+        raise ValueError(
+            f"run_evaluation: {len(sources)} sources but {len(max_batches)} batch limits"
+        )
+    if schedule.evaluation_skipped(max_batches):
+        return state, []
+    prefix = _event_prefix(stage)
+    sanity = stage == Stage.SANITY_CHECK
+    epoch = state.progress.epoch if epoch is None else epoch
+    previous_stage, driver.stage = driver.stage, stage
+    several = len(sources) > 1
+    per_loader: list[dict[str, float]] = []
+    try:
+        state = driver.fire(f"on_{prefix}_start", state, num_batches=list(max_batches))
+        state = driver.fire(f"on_{prefix}_epoch_start", state, num_batches=list(max_batches))
+        counters = dict(loop_state.get(state).eval_steps)
+        logged: dict[str, Any] = {}
+        callback_values: dict[str, Any] = {}
+        for i, (source, limit) in enumerate(zip(sources, max_batches)):
+            if limit == 0:
+                per_loader.append({})
+                continue
+            acc: dict[str, Any] = {}
+            specs: dict[str, aggregate.MetricSpec] = {}
+            suffix = f"/dataloader_idx_{i}" if several else ""
+            counter_key = _counter_key(driver.fn, stage, i)
+            batches = source.iterate(epoch)
+            if limit != float("inf"):
+                batches = itertools.islice(batches, int(limit))
+            for batch_idx, batch in enumerate(batches):
+                fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
+                state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
+                out = step(state, batch, index=batch_idx)
+                resolved = aggregate.resolve(out, stage)
+                acc = aggregate.accumulate(acc, resolved, _batch_size(batch))
+                specs.update(aggregate.specs_of(resolved))
+                if not sanity:
+                    to_log, _, _ = aggregate.step_values(resolved)
+                    if to_log:
+                        n = counters.get(counter_key, 0)
+                        driver.log_metrics({k + suffix: v for k, v in to_log.items()}, n)
+                        counters[counter_key] = n + 1
+                state = driver.fire(
+                    f"on_{prefix}_batch_end",
+                    state,
+                    outputs=out,
+                    num_batches=limit,
+                    is_last_batch=batch_idx + 1 == limit,
+                    **fields,
+                )
+            to_log, bar, to_callbacks = aggregate.epoch_values(acc, specs, suffix)
+            logged.update(to_log)
+            callback_values.update(to_callbacks)
+            if not sanity:
+                driver.progress_bar_metrics.update(bar)
+            per_loader.append({k: float(v) for k, v in to_log.items()})
+        if not sanity:
+            loop = loop_state.get(state)
+            state = loop_state.put(
+                state,
+                loop.replace(
+                    callback_metrics={**loop.callback_metrics, **callback_values},
+                    eval_steps=counters,
+                ),
+            )
+        with driver.collecting() as at_epoch_end:
+            state = driver.fire(f"on_{prefix}_epoch_end", state, num_batches=list(max_batches))
+        if not sanity:
+            row = {**logged, **at_epoch_end}
+            if row:
+                driver.log_metrics({**row, "epoch": state.progress.epoch}, driver.logger_step)
+        state = driver.fire(f"on_{prefix}_end", state, num_batches=list(max_batches))
+    finally:
+        driver.stage = previous_stage
+    extra = {k: float(v) for k, v in at_epoch_end.items()}
+    return state, [{**values, **extra} for values in per_loader]
+
+
+def evaluate(
+    stage: str,
+    state: TrainState,
+    step: EvalStep,
+    data: Any,
+    *,
+    config: Any = None,
+    callbacks: Sequence[Any] = (),
+    loggers: Sequence[Any] = (),
+    observers: Sequence[Any] = (),
+    driver: Driver | None = None,
+    max_batches: Sequence[int | float] | None = None,
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """A stand-alone evaluation (``validate`` or ``test``): setup, the evaluation, teardown.
+
+    On Ctrl-C the ``on_exception`` handlers run, the loggers are finalized "interrupted"
+    and ``(state, [])`` is returned; other exceptions propagate after the same handling
+    (loggers finalized "failed").
+    """
+    from .config import LoopConfig
+    from .data import as_list
+
+    if stage not in (Stage.VALIDATE, Stage.TEST):
+        raise ValueError(f"evaluate: stage must be {Stage.VALIDATE!r} or {Stage.TEST!r}")
+    fn = "validate" if stage == Stage.VALIDATE else "test"
+    if driver is None:
+        config = config if config is not None else LoopConfig.create()
+        driver = Driver(
+            fn=fn, callbacks=callbacks, loggers=loggers, observers=observers, config=config
+        )
+    config = config if config is not None else driver.config
+    if config is None:
+        config = LoopConfig.create()
+    driver.set_default_extra(model=getattr(step, "model", None), num_loggers=len(driver.loggers))
+    sources = as_list(data)
+    if max_batches is None:
+        stage_key = "val" if stage == Stage.VALIDATE else "test"
+        max_batches = schedule.eval_batches(config, stage_key, [_length(s) for s in sources])
+    state = init_states(driver.callbacks, state)
+    driver.status = "running"
+    driver.logger_step = state.progress.step
+    results: list[dict[str, float]] = []
+    try:
+        driver.stage = None
+        state = driver.fire("setup", state)
+        state, results = run_evaluation(
+            state, step, sources, stage=stage, driver=driver, max_batches=max_batches
+        )
+        state = driver.fire("teardown", state)
+        driver.commit(state)
+    except KeyboardInterrupt as exc:
+        state = driver.handle_exception(state, exc)
+        return state, []
+    except BaseException as exc:
+        driver.handle_exception(state, exc)
+        raise
+    driver.status = "finished"
+    driver.finalize("success")
+    return state, results
+
+
+def validate(
+    state: TrainState, step: EvalStep, data: Any, **kwargs: Any
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """Evaluate on validation data outside of fit: ``on_validation_*`` events, values logged
+    with the ``val_`` prefix; one dict per dataset. Keywords as ``evaluate``."""
+    return evaluate(Stage.VALIDATE, state, step, data, **kwargs)
+
+
+def test(
+    state: TrainState, step: EvalStep, data: Any, **kwargs: Any
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """Evaluate on test data: ``on_test_*`` events, values logged with the ``test_`` prefix;
+    one dict per dataset. Keywords as ``evaluate``."""
+    return evaluate(Stage.TEST, state, step, data, **kwargs)
+
+
+test.__test__ = False  # not a pytest test
+
+
+def _length(batches: Any) -> int | float:
+    n = getattr(batches, "num_batches", None)
+    if n is not None:
+        return n
+    try:
+        return len(batches)
+    except TypeError:
+        return float("inf")

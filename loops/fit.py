@@ -1,0 +1,458 @@
+"""``fit``: epochs of pure train steps with validation, callbacks and logging in between.
+
+The composition follows Lightning's fit loop event by event (see ``loops.events``), with
+every decision taken by a pure function of ``loops.schedule`` over the counters in the
+state. Checkpoints requested by callbacks are written only at commit points — after a batch
+is fully processed (step, logging, validation) and after an epoch ends — so a run resumed
+from any checkpoint continues exactly where the saved state says: the epoch and batch come
+from ``Progress``, the epoch's metric accumulators, the stop request, the values callbacks
+see and the data reload epochs from the loop state. On Ctrl-C the exception handlers run,
+the status becomes "interrupted" and the latest state is returned.
+
+Data may be given ready (``train``, ``val``) or as functions that build it
+(``reload_train``, ``reload_val``), which the loop calls when it first needs the data and
+again as ``reload_dataloaders_every_n_epochs`` says (Lightning's lazy loading: validation
+data is built for the sanity check, before the training data).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from engine.state import TrainState
+
+from . import aggregate, loop_state, schedule
+from .callbacks.base import init_states
+from .driver import Driver
+from .evaluate import _length, run_evaluation
+from .events import Stage
+
+__all__ = ["FitLoop", "fit"]
+
+
+def _numbered(batches: Iterator[Any], start: int, num: int | float) -> Iterator[Any]:
+    """``(batch_idx, batch, is_last)`` from ``start``; an unsized epoch (``num = inf``)
+    looks one batch ahead to know its last batch, as Lightning's prefetcher does."""
+    if num != math.inf:
+        for batch_idx, batch in zip(range(start, int(num)), batches):
+            yield batch_idx, batch, batch_idx + 1 == num
+        return
+    it = iter(batches)
+    sentinel = object()
+    current = next(it, sentinel)
+    batch_idx = start
+    while current is not sentinel:
+        following = next(it, sentinel)
+        yield batch_idx, current, following is sentinel
+        current, batch_idx = following, batch_idx + 1
+
+
+class FitLoop:
+    """One ``fit`` run; ``run(state)`` returns the final state. ``state`` is always the latest.
+
+    ``step``: an ``engine.train_step`` (the loop uses its ``backward`` / ``apply`` halves so
+    that ``on_before_optimizer_step`` sees the gradients); its ``accumulate`` must agree with
+    the config's ``accumulate_grad_batches``. ``train`` and each of ``val`` are ``loops.data``
+    batch streams; ``reload_train`` / ``reload_val`` (optional) build them, when they are not
+    given and when ``reload_dataloaders_every_n_epochs`` says so. ``eval_step``: an
+    ``engine.eval_step``; without it there is no validation. ``hparams`` are sent to the
+    loggers after ``on_fit_start``.
+    """
+
+    def __init__(
+        self,
+        step: Any,
+        train: Any = None,
+        *,
+        driver: Driver,
+        config: Any,
+        val: Sequence[Any] | None = (),
+        eval_step: Any = None,
+        reload_train: Callable[[], Any] | None = None,
+        reload_val: Callable[[], Sequence[Any]] | None = None,
+        hparams: dict[str, Any] | None = None,
+    ) -> None:
+        if not (hasattr(step, "backward") and hasattr(step, "apply")):
+            raise TypeError(
+                "fit needs a train step built by engine.train_step (with backward/apply), "
+                f"got {type(step).__name__}"
+            )
+        if train is None and reload_train is None:
+            raise ValueError("FitLoop needs training data: pass train or reload_train")
+        self.step = step
+        self.train = train
+        self.val = list(val) if val is not None else None
+        self.eval_step = eval_step
+        self.driver = driver
+        self.config = config
+        self.reload_train = reload_train
+        self.reload_val = reload_val
+        self.hparams = hparams
+        self.state: TrainState | None = None
+        self.num_train: int | float | None = None
+        self.val_max: list[int | float] = []
+        self.val_check_batch: int | float = math.inf
+        has_val_data = bool(self.val) or (self.val is None and reload_val is not None)
+        self.enable_val = eval_step is not None and schedule.validation_enabled(
+            config, has_val_data
+        )
+        self._told_min = False
+        self._warned_few = False
+        if self.train is not None:
+            self._measure_train()
+        if self.val is not None:
+            self._measure_val()
+
+    # ------------------------------------------------------------------ data
+
+    def _measure_train(self) -> None:
+        c = self.config
+        self.num_train = schedule.train_batches(c, _length(self.train))
+        if self.enable_val:
+            self.val_check_batch = schedule.val_check_batch(c, self.num_train)
+        message = schedule.few_batches_warning(c, self.num_train, bool(self.driver.loggers))
+        if message and not self._warned_few:
+            self.driver.say(message)
+            self._warned_few = True
+
+    def _measure_val(self) -> None:
+        lengths = [_length(v) for v in self.val]
+        self.val_max = list(schedule.eval_batches(self.config, "val", lengths))
+
+    def _record(self, **changes: Any) -> None:
+        loop = loop_state.get(self.state)
+        self.state = loop_state.put(self.state, loop.replace(**changes))
+
+    def _ensure_train(self, epoch: int) -> None:
+        """Build the training data if missing, or rebuild it when the reload rule says so.
+
+        Data given to the loop counts as loaded at the first epoch it serves. Data built only
+        because it is missing (a resumed run) does not move the recorded reload epoch, so a
+        resumed run reloads when the uninterrupted one would.
+        """
+        last = loop_state.get(self.state).last_train_reload
+        if self.train is None:
+            self.train = self.reload_train()
+            self._measure_train()
+            if last is None:
+                self._record(last_train_reload=epoch)
+        elif last is None:
+            self._record(last_train_reload=epoch)
+        elif self.reload_train is not None and schedule.should_reload(self.config, epoch, last):
+            self.train = self.reload_train()
+            self._measure_train()
+            self._record(last_train_reload=epoch)
+
+    def _ensure_val(self, epoch: int, sanity: bool = False) -> None:
+        """The validation counterpart of ``_ensure_train``, with Lightning's rule for what a
+        load counts as: data loaded for the sanity check (or given to the loop) counts as
+        ``epoch``'s load only if ``epoch`` validates; otherwise the first validation loads
+        the data again when a reload function exists."""
+        c = self.config
+        last = loop_state.get(self.state).last_val_reload
+        missing = self.val is None
+        due = not sanity and self.reload_val is not None and schedule.should_reload(c, epoch, last)
+        if not (missing or due):
+            return
+        self.val = list(self.reload_val())
+        self._measure_val()
+        first = last is None and (not sanity or schedule.sanity_check_sets_val_reload(c, epoch))
+        if due or first:
+            self._record(last_val_reload=epoch)
+
+    def _check_accumulation(self, epoch: int) -> None:
+        want = schedule.accumulation_factor(self.config, epoch)
+        have = getattr(self.step, "accumulate", None)
+        if callable(have):
+            have = have(self.state.progress)
+        if have is not None and have != want:
+            raise ValueError(
+                f"the train step accumulates {have} micro-batch(es) per optimizer step but "
+                f"accumulate_grad_batches gives {want} in epoch {epoch}; build the step with "
+                "engine.train_step(..., accumulate=...) matching the loop config"
+            )
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self, state: TrainState) -> TrainState:
+        """Run fit from ``state``; the final state (the latest one after Ctrl-C)."""
+        drv = self.driver
+        drv.set_default_extra(model=getattr(self.step, "model", None), num_loggers=len(drv.loggers))
+        self.state = init_states(drv.callbacks, state)
+        drv.status = "running"
+        drv.logger_step = self.state.progress.step
+        drv.last_commit = self.state
+        epoch = self.state.progress.epoch
+        if (
+            self.val is not None
+            and loop_state.get(self.state).last_val_reload is None
+            and schedule.sanity_check_sets_val_reload(self.config, epoch)
+        ):
+            self._record(last_val_reload=epoch)  # data given to the loop: loaded "now"
+        try:
+            self._run()
+        except KeyboardInterrupt as exc:
+            self.state = drv.handle_exception(self.state, exc)
+            return self.state
+        except BaseException as exc:
+            drv.handle_exception(self.state, exc)
+            raise
+        drv.status = "finished"
+        drv.finalize("success")
+        return self.state
+
+    def _fire(self, event: str, **fields: Any) -> None:
+        self.state = self.driver.fire(event, self.state, **fields)
+
+    def _fit_done(self) -> schedule.Verdict:
+        p = self.state.progress
+        if p.batch_in_epoch > 0:  # resumed mid-epoch: the epoch finishes first
+            return schedule.Verdict(False)
+        return schedule.fit_done(
+            self.config,
+            num_training_batches=self.num_train,
+            global_step=p.step,
+            epochs_done=p.epoch,
+            should_stop=loop_state.get(self.state).should_stop,
+        )
+
+    def _run(self) -> None:
+        drv, c = self.driver, self.config
+        drv.stage = None
+        self._fire("setup")
+        self._fire("on_fit_start")
+        if self.hparams:
+            drv.log_hyperparams(self.hparams)
+        p = self.state.progress
+        resumed = p.total_batches > 0 or p.epoch > 0 or p.step > 0
+        if schedule.should_run_sanity_check(
+            c, enabled=self.enable_val, resumed=resumed, mid_epoch=p.batch_in_epoch > 0
+        ):
+            self._sanity_check()
+        drv.stage = Stage.TRAIN
+        if schedule.training_skipped(c):
+            self.num_train = 0
+        else:
+            self._ensure_train(p.epoch)
+        verdict = self._fit_done()
+        if verdict:  # nothing to train: Lightning skips the training events entirely
+            if verdict.reason:
+                drv.say(verdict.reason)
+        else:
+            drv.start_clock()
+            self._fire("on_train_start")
+            while True:
+                verdict = self._fit_done()
+                if verdict:
+                    if verdict.reason:
+                        drv.say(verdict.reason)
+                    break
+                self._epoch()
+            self._fire("on_train_end")
+        drv.stage = None
+        self._fire("on_fit_end")
+        self._fire("teardown")
+        drv.commit(self.state)
+
+    def _sanity_check(self) -> None:
+        drv = self.driver
+        drv.stage = Stage.SANITY_CHECK
+        self._fire("on_sanity_check_start")
+        self._ensure_val(self.state.progress.epoch, sanity=True)
+        self.state, _ = run_evaluation(
+            self.state,
+            self.eval_step,
+            self.val,
+            stage=Stage.SANITY_CHECK,
+            driver=drv,
+            max_batches=schedule.sanity_batches(self.config, self.val_max),
+        )
+        self._fire("on_sanity_check_end")
+        drv.stage = None
+
+    # ------------------------------------------------------------------ one epoch
+
+    def _epoch(self) -> None:
+        drv, c = self.driver, self.config
+        p = self.state.progress
+        epoch, start = p.epoch, p.batch_in_epoch
+        if start == 0:
+            self._ensure_train(epoch)
+            self._record(train_epoch={})
+            self._check_accumulation(epoch)
+            self._fire("on_train_epoch_start", num_batches=self.num_train)
+        else:
+            self._check_accumulation(epoch)
+        num = self.num_train
+        batches = _numbered(self.train.iterate(epoch, start), start, num)
+        batch_idx, is_last = start - 1, False
+        while True:
+            p = self.state.progress
+            verdict = schedule.epoch_done(
+                c,
+                batches_done=batch_idx + 1,
+                num_training_batches=num,
+                is_last_batch=is_last,
+                global_step=p.step,
+                epochs_done=p.epoch,
+                should_stop=loop_state.get(self.state).should_stop,
+            )
+            if verdict.reason and not self._told_min:
+                drv.say(verdict.reason)
+                self._told_min = True
+            if verdict:
+                break
+            item = next(batches, None)
+            if item is None:
+                break
+            batch_idx, batch, is_last = item
+            self._batch(batch, batch_idx, is_last, epoch)
+            if not is_last:
+                drv.commit(self.state)
+        self._epoch_end(epoch)
+
+    def _batch(self, batch: Any, batch_idx: int, is_last: bool, epoch: int) -> None:
+        """Process one training batch: events, step, logging, validation when due."""
+        drv, c = self.driver, self.config
+        num = self.num_train
+        self._fire("on_train_batch_start", batch=batch, batch_idx=batch_idx, num_batches=num)
+        factor = schedule.accumulation_factor(c, epoch)
+        close = schedule.is_optimizer_step(batch_idx, factor, num, is_last)
+        state, grads = self.step.backward(self.state, batch, end_window=close)
+        if grads.ready:
+            state = drv.fire(
+                "on_before_optimizer_step",
+                state,
+                batch=batch,
+                batch_idx=batch_idx,
+                outputs=grads,
+                num_batches=num,
+            )
+            state, out = self.step.apply(state, grads)
+        else:
+            out = grads.output
+
+        resolved = aggregate.resolve({"loss": out.loss, **out.metrics}, Stage.TRAIN)
+        to_log, bar, to_callbacks = aggregate.step_values(resolved)
+        loop = loop_state.get(state)
+        loop = loop.replace(
+            train_epoch=aggregate.accumulate(loop.train_epoch, resolved, grads.batch_size),
+            train_specs={**loop.train_specs, **aggregate.specs_of(resolved)},
+            callback_metrics={**loop.callback_metrics, **to_callbacks},
+        )
+        self.state = loop_state.put(state, loop)
+        drv.progress_bar_metrics.update(bar)
+        p = self.state.progress
+        # Lightning's logger x-axis: batches that stepped, not yet counting this one.
+        drv.logger_step = p.step - 1 if out.stepped else p.step
+        self._fire(
+            "on_train_batch_end",
+            batch=batch,
+            batch_idx=batch_idx,
+            outputs=out,
+            num_batches=num,
+            is_last_batch=is_last,
+        )
+        should_stop = loop_state.get(self.state).should_stop
+        if to_log and schedule.should_log_step(
+            c, drv.logger_step, should_stop, accumulating=not out.stepped
+        ):
+            drv.log_metrics({**to_log, "epoch": epoch}, drv.logger_step)
+        if self.enable_val and schedule.should_validate(
+            c,
+            epoch=epoch,
+            batch_idx=batch_idx,
+            total_batch_idx=p.total_batches - 1,
+            is_last_batch=is_last,
+            val_check_batch=self.val_check_batch,
+            should_stop=should_stop,
+            can_stop_early=schedule.can_stop_early(c, p.epoch, p.step),
+        ):
+            self._validate(epoch)
+        drv.logger_step = self.state.progress.step
+
+    def _validate(self, epoch: int) -> None:
+        self._ensure_val(epoch)
+        self.state, _ = run_evaluation(
+            self.state,
+            self.eval_step,
+            self.val,
+            stage=Stage.VALIDATE,
+            driver=self.driver,
+            max_batches=self.val_max,
+        )
+
+    def _epoch_end(self, epoch: int) -> None:
+        drv = self.driver
+        loop = loop_state.get(self.state)
+        to_log, bar, to_callbacks = aggregate.epoch_values(loop.train_epoch, loop.train_specs)
+        self._record(callback_metrics={**loop.callback_metrics, **to_callbacks})
+        drv.progress_bar_metrics.update(bar)
+        # Epoch rows share the step of the epoch's last training row (Lightning's quirk).
+        row_step = max(self.state.progress.step - 1, 0)
+        drv.logger_step = row_step
+        with drv.collecting() as logged_by_callbacks:
+            self._fire("on_train_epoch_end", num_batches=self.num_train)
+        row = {**to_log, **logged_by_callbacks}
+        if row:
+            drv.log_metrics({**row, "epoch": epoch}, row_step)
+        p = self.state.progress
+        self.state = self.state.replace(
+            progress=p.replace(epoch=p.epoch + 1, batch_in_epoch=0, micro_step=0),
+            grad_accum=None,
+        )
+        self._record(train_epoch={})
+        drv.logger_step = self.state.progress.step
+        drv.commit(self.state)
+
+
+def fit(
+    state: TrainState,
+    step: Any,
+    train: Any,
+    *,
+    val: Any = (),
+    eval_step: Any = None,
+    config: Any = None,
+    callbacks: Sequence[Any] = (),
+    loggers: Sequence[Any] = (),
+    observers: Sequence[Any] = (),
+    driver: Driver | None = None,
+    hparams: dict[str, Any] | None = None,
+) -> TrainState:
+    """Train ``state`` with ``step`` on ``train`` (validating with ``eval_step`` on ``val``).
+
+    ``train`` and ``val`` may be datasets, tensors, DataLoaders or ``loops.data`` streams
+    (``val`` may be a list of them); ``config`` is a ``LoopConfig`` (defaults when None);
+    ``driver`` replaces the one built from ``callbacks``, ``loggers`` and ``observers``.
+    Returns the final state.
+    """
+    from .config import LoopConfig
+    from .data import Batches, as_list, source
+
+    if driver is None:
+        config = config if config is not None else LoopConfig.create()
+        driver = Driver(
+            fn="fit", callbacks=callbacks, loggers=loggers, observers=observers, config=config
+        )
+    config = config if config is not None else driver.config
+    if config is None:
+        config = LoopConfig.create()
+    train = train if isinstance(train, Batches) else source(train)
+    val_sources = as_list(val) if val is not None and not _empty(val) else []
+    loop = FitLoop(
+        step,
+        train,
+        driver=driver,
+        config=config,
+        val=val_sources,
+        eval_step=eval_step,
+        hparams=hparams,
+    )
+    return loop.run(state)
+
+
+def _empty(data: Any) -> bool:
+    return isinstance(data, (list, tuple, dict)) and len(data) == 0

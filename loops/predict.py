@@ -1,0 +1,142 @@
+"""``predict``: run a predict step over one or several datasets and collect the outputs.
+
+Returns, per dataset, the list of per-batch predictions (tensors detached, on the CPU when
+``to_cpu``), with the ``on_predict_*`` events in Lightning's order. Nothing is logged.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.state import TrainState
+from engine.tree import map as tree_map
+
+from . import schedule
+from .callbacks.base import init_states
+from .driver import Driver
+from .evaluate import _length
+from .events import Stage
+
+__all__ = ["predict", "run_prediction"]
+
+
+def _cpu(x: Any) -> Any:
+    import torch
+
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def run_prediction(
+    state: TrainState,
+    step: Any,
+    sources: Sequence[Any],
+    *,
+    driver: Driver,
+    max_batches: Sequence[int | float],
+    to_cpu: bool = True,
+    keep: bool = True,
+) -> tuple[TrainState, list[list[Any]]]:
+    """Predict on every source; return the new state and the predictions per source.
+
+    ``keep=False`` discards the outputs (Lightning's ``return_predictions=False``): callbacks
+    still see each one at ``on_predict_batch_end``. With no batches at all nothing runs and
+    no event fires (one empty list per source is returned).
+    """
+    if len(max_batches) != len(sources):
+        raise ValueError(
+            f"run_prediction: {len(sources)} sources but {len(max_batches)} batch limits"
+        )
+    if schedule.evaluation_skipped(max_batches):
+        return state, [[] for _ in sources]
+    previous_stage, driver.stage = driver.stage, Stage.PREDICT
+    outputs: list[list[Any]] = []
+    try:
+        state = driver.fire("on_predict_start", state, num_batches=list(max_batches))
+        state = driver.fire("on_predict_epoch_start", state, num_batches=list(max_batches))
+        for i, (source, limit) in enumerate(zip(sources, max_batches)):
+            collected: list[Any] = []
+            batches = source.iterate(0)
+            if limit != float("inf"):
+                batches = itertools.islice(batches, int(limit))
+            for batch_idx, batch in enumerate(batches):
+                fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
+                state = driver.fire("on_predict_batch_start", state, num_batches=limit, **fields)
+                out = step(state, batch, index=batch_idx)
+                if to_cpu:
+                    out = tree_map(_cpu, out)
+                if keep:
+                    collected.append(out)
+                state = driver.fire(
+                    "on_predict_batch_end",
+                    state,
+                    outputs=out,
+                    num_batches=limit,
+                    is_last_batch=batch_idx + 1 == limit,
+                    **fields,
+                )
+            outputs.append(collected)
+        state = driver.fire("on_predict_epoch_end", state, num_batches=list(max_batches))
+        state = driver.fire("on_predict_end", state, num_batches=list(max_batches))
+    finally:
+        driver.stage = previous_stage
+    return state, outputs
+
+
+def predict(
+    state: TrainState,
+    step: Any,
+    data: Any,
+    *,
+    config: Any = None,
+    callbacks: Sequence[Any] = (),
+    loggers: Sequence[Any] = (),
+    observers: Sequence[Any] = (),
+    driver: Driver | None = None,
+    max_batches: Sequence[int | float] | None = None,
+    to_cpu: bool = True,
+    keep: bool = True,
+) -> tuple[TrainState, list[list[Any]]]:
+    """Predict with ``step`` on ``data`` (one dataset or a list): setup, ``run_prediction``,
+    teardown. Returns the state and one list of per-batch outputs per dataset.
+
+    ``max_batches`` defaults to ``limit_predict_batches`` of ``config``. On Ctrl-C the
+    ``on_exception`` handlers run and ``(state, [])`` is returned; other exceptions
+    propagate after the same handling.
+    """
+    from .config import LoopConfig
+    from .data import as_list
+
+    if driver is None:
+        config = config if config is not None else LoopConfig.create()
+        driver = Driver(
+            fn="predict", callbacks=callbacks, loggers=loggers, observers=observers, config=config
+        )
+    config = config if config is not None else driver.config
+    if config is None:
+        config = LoopConfig.create()
+    driver.set_default_extra(model=getattr(step, "model", None), num_loggers=len(driver.loggers))
+    sources = as_list(data)
+    if max_batches is None:
+        max_batches = schedule.eval_batches(config, "predict", [_length(s) for s in sources])
+    state = init_states(driver.callbacks, state)
+    driver.status = "running"
+    outputs: list[list[Any]] = []
+    try:
+        driver.stage = None
+        state = driver.fire("setup", state)
+        state, outputs = run_prediction(
+            state, step, sources, driver=driver, max_batches=max_batches, to_cpu=to_cpu, keep=keep
+        )
+        state = driver.fire("teardown", state)
+        driver.commit(state)
+    except KeyboardInterrupt as exc:
+        state = driver.handle_exception(state, exc)
+        return state, []
+    except BaseException as exc:
+        driver.handle_exception(state, exc)
+        raise
+    driver.status = "finished"
+    driver.finalize("success")
+    return state, outputs
