@@ -86,6 +86,34 @@ class Strategy:
     def barrier(self) -> None:
         """Wait until every process gets here (nothing to wait for in one process)."""
 
+    def reduce_flag(self, flag: bool, op: str = "any") -> bool:
+        """A decision agreed by every process ("any" or "all"); the flag itself here."""
+        return bool(flag)
+
+    def sync_metrics(self, tree: Any) -> Any:
+        """``engine.metrics`` values merged over processes (unchanged for one process)."""
+        return tree
+
+    def sync_buffers(self, buffers: Any, op: str = "mean") -> Any:
+        """Buffers (e.g. BatchNorm statistics) combined over processes (unchanged here)."""
+        return buffers
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, in rank order."""
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Process ``src``'s ``obj`` (picklable), e.g. a folder rank 0 chose."""
+        return obj
+
+    def data_options(self) -> dict[str, int]:
+        """How data sources shard for this process (``loops.data.source`` keywords)."""
+        return {"rank": self.rank, "world_size": self.world_size}
+
+    def convert_model(self, model: Any) -> Any:
+        """The module template to use under this strategy (e.g. with SyncBatchNorm)."""
+        return model
+
     def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """The step a loop should call under this strategy (the step itself here)."""
         return step

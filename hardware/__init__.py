@@ -1,13 +1,32 @@
 """Hardware strategies: placement, precision and collectives as values a step receives."""
 
+from .collectives import REDUCE_OPS, CollectiveError, all_reduce_tree, broadcast_tree
+from .ddp import BUFFER_MODES, DDP, DDPTrainStep, ddp
+from .flags import from_flags
+from .launch import LaunchError, LaunchTimeout, free_port, launch
 from .precision import PRECISIONS, MixedPrecision, TruePrecision, precision
+from .process_env import ProcessEnv
 from .single import SingleDevice, single_device
 
 __all__ = [
+    "BUFFER_MODES",
+    "DDP",
+    "REDUCE_OPS",
+    "CollectiveError",
+    "DDPTrainStep",
+    "LaunchError",
+    "LaunchTimeout",
+    "ProcessEnv",
+    "all_reduce_tree",
+    "broadcast_tree",
+    "ddp",
+    "free_port",
+    "launch",
     "PRECISIONS",
     "MixedPrecision",
     "SingleDevice",
     "TruePrecision",
+    "from_flags",
     "precision",
     "single_device",
 ]

@@ -115,6 +115,8 @@ def run_evaluation(
                     is_last_batch=batch_idx + 1 == limit,
                     **fields,
                 )
+            if driver.world_size > 1:  # an evaluation covers every process's shard
+                acc = driver.strategy.sync_metrics(acc)
             to_log, bar, to_callbacks = aggregate.epoch_values(acc, specs, suffix)
             logged.update(to_log)
             callback_values.update(to_callbacks)

@@ -355,6 +355,7 @@ class FitLoop:
             num_batches=num,
             is_last_batch=is_last,
         )
+        self._agree_on_stop()
         should_stop = loop_state.get(self.state).should_stop
         if to_log and schedule.should_log_step(
             c, drv.logger_step, should_stop, accumulating=not out.stepped
@@ -371,7 +372,18 @@ class FitLoop:
             can_stop_early=schedule.can_stop_early(c, p.epoch, p.step),
         ):
             self._validate(epoch)
+        self._agree_on_stop()
         drv.logger_step = self.state.progress.step
+
+    def _agree_on_stop(self) -> None:
+        """Under several processes, a stop any process requests stops them all (at the same
+        batch, so their states and checkpoints stay consistent)."""
+        drv = self.driver
+        if drv.world_size > 1:
+            loop = loop_state.get(self.state)
+            agreed = drv.strategy.reduce_flag(loop.should_stop, "any")
+            if agreed != loop.should_stop:
+                self._record(should_stop=agreed)
 
     def _validate(self, epoch: int) -> None:
         self._ensure_val(epoch)
@@ -387,7 +399,10 @@ class FitLoop:
     def _epoch_end(self, epoch: int) -> None:
         drv = self.driver
         loop = loop_state.get(self.state)
-        to_log, bar, to_callbacks = aggregate.epoch_values(loop.train_epoch, loop.train_specs)
+        accumulated = loop.train_epoch
+        if drv.world_size > 1:  # epoch values cover every process's batches
+            accumulated = drv.strategy.sync_metrics(accumulated)
+        to_log, bar, to_callbacks = aggregate.epoch_values(accumulated, loop.train_specs)
         self._record(callback_metrics={**loop.callback_metrics, **to_callbacks})
         drv.progress_bar_metrics.update(bar)
         # Epoch rows share the step of the epoch's last training row (Lightning's quirk).
@@ -395,6 +410,7 @@ class FitLoop:
         drv.logger_step = row_step
         with drv.collecting() as logged_by_callbacks:
             self._fire("on_train_epoch_end", num_batches=self.num_train)
+        self._agree_on_stop()
         row = {**to_log, **logged_by_callbacks}
         if row:
             drv.log_metrics({**row, "epoch": epoch}, row_step)

@@ -1,0 +1,474 @@
+"""Data-parallel training over ``torch.distributed``: one process per device, same state on all.
+
+``hardware.ddp()`` is called in every worker process (started by ``torchrun`` or
+``hardware.launch``). Each rank holds the whole ``TrainState``, steps on its own shard of
+the data (``data_options()`` gives ``loops.data.source`` the rank and world size), and
+averages the gradients across ranks once per optimizer step (``engine.train_step`` calls
+``all_reduce(grads, "mean")`` when an accumulation window closes; micro-batches inside a
+window accumulate locally, like torch DDP's ``no_sync``). With the loss a mean over the
+batch, b samples per rank on W ranks trains like one process with W * b samples.
+
+**Process group.** Created when ``ddp()`` runs (not lazily), from the torchrun variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so a missing or
+unreachable rank fails at start-up, not at the first step. An existing default group (from
+``hardware.launch`` or the user's own ``init_process_group``) is adopted as it is. Backend:
+``"gloo"`` on CPU; on CUDA ``"cpu:gloo,cuda:nccl"`` (NCCL for the device tensors, gloo for
+CPU tensors such as metrics or objects), the device being ``cuda:LOCAL_RANK``. ``timeout``
+(seconds; default 60, or an adopted group's own) bounds every collective: when a peer
+crashes or hangs, the others raise ``CollectiveError`` naming the operation instead of
+waiting forever (with gloo a killed peer is usually noticed at once, a hung one after the
+timeout; NCCL's watchdog aborts the process after the timeout). ``close()`` (or ``with``)
+destroys a group this value created.
+
+**State.** ``prepare_state`` (run by ``engine.init``) checks that every rank has the same
+parameter and buffer names, shapes and dtypes, then broadcasts rank 0's values, so ranks
+whose templates were initialised differently still start identical. ``build_state`` checks
+that every rank passed the same seed (the data order and every random key derive from it).
+
+**Buffers** (BatchNorm running statistics). ``buffers="broadcast"`` (default) mirrors torch
+DDP's ``broadcast_buffers=True``: after every train-step call (every micro-batch), the
+buffers of rank 0 are copied to all ranks, so the state stays identical on every rank and the
+saved buffers are rank 0's (torch copies them before each forward instead; either way every
+forward starts from rank 0's buffers). ``"mean"`` averages floating buffers instead (integer
+ones, such as ``num_batches_tracked``, come from rank 0); ``"local"`` leaves each rank its
+own (torch's ``broadcast_buffers=False``; the states then differ across ranks in their
+buffers only). ``sync_batchnorm=True`` makes ``convert_model`` replace BatchNorm layers by
+``nn.SyncBatchNorm`` (statistics over the global batch; torch runs it on CUDA only). The
+loops apply ``convert_model`` to the template before building the state and the steps.
+
+What the loops must do under this strategy: apply ``convert_model`` to the template; pass
+``data_options()`` to every data source; merge metrics logged with ``sync_dist`` through
+``sync_metrics`` before logging or monitoring them; agree on stop decisions with
+``reduce_flag`` (any rank stopping stops all); take names rank 0 chooses (log directory,
+checkpoint path) with ``broadcast_object``; write logs, progress bars and checkpoints on
+``is_primary`` only, with ``barrier()`` after checkpoint writes that other ranks then read.
+Gradient accumulators of an open window are per rank (``TrainState.grad_accum``): save
+checkpoints at window boundaries, or every rank's own state.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine import metrics
+from engine.loss_scale import DynamicLossScale
+from engine.state import TrainState
+from engine.step import Gradients, TrainStep
+from engine.strategy import Precision, Strategy
+from engine.tree import PyTree, flatten_with_paths, to_device
+
+from .collectives import all_reduce_tree, broadcast_tree, check_op, diagnosed
+from .precision import precision as make_precision
+from .process_env import ProcessEnv
+
+__all__ = ["BUFFER_MODES", "DEFAULT_TIMEOUT", "DDP", "DDPTrainStep", "ddp"]
+
+#: How buffers are kept in step across ranks after each train-step call.
+BUFFER_MODES = ("broadcast", "mean", "local")
+
+_FLAG_OPS = {"any": "max", "all": "min"}
+
+
+class DDP(Strategy):
+    """One rank of a data-parallel run; build it with ``hardware.ddp()`` in each worker."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        precision: Precision,
+        backend: str,
+        timeout: float,
+        sync_batchnorm: bool,
+        buffers: str,
+        owns_group: bool,
+    ) -> None:
+        if buffers not in BUFFER_MODES:
+            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.precision = precision
+        self.backend = backend
+        self.timeout = timeout
+        self.sync_batchnorm = sync_batchnorm
+        self.buffers = buffers
+        self._owns_group = owns_group
+        self._non_blocking = device.type == "cuda"
+
+    def __repr__(self) -> str:
+        return (
+            f"DDP(rank={self.rank}/{self.world_size}, device={self.device}, "
+            f"backend={self.backend!r}, precision={self.precision.name!r}, "
+            f"buffers={self.buffers!r})"
+        )
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            if tree.device == self.device:
+                return tree
+            return tree.to(self.device, non_blocking=self._non_blocking)
+        return to_device(tree, self.device, non_blocking=self._non_blocking)
+
+    def data_options(self) -> dict[str, int]:
+        """What ``loops.data.source`` needs to give this rank its shard."""
+        return {"rank": self.rank, "world_size": self.world_size}
+
+    # ------------------------------------------------------------------ state
+
+    def build_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        """Check that every rank uses the same seed, then let ``engine.init`` build the state."""
+        seeds = self.all_gather_object(kwargs.get("seed"))
+        if any(s != seeds[0] for s in seeds):
+            raise ValueError(
+                f"the ranks passed different seeds to engine.init ({seeds}); the data order "
+                "and every random key derive from the seed, so it must be the same on all ranks"
+            )
+        return NotImplemented
+
+    def prepare_state(
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Rank 0's parameters and buffers on every rank, placed and converted."""
+        self._check_same_layout({"params": params, "buffers": buffers})
+        synced = self.broadcast({"params": self.place(params), "buffers": self.place(buffers)}, 0)
+        # Each tensor gets its own storage (the broadcast returns views of one buffer).
+        own = {k: {n: t.clone() for n, t in v.items()} for k, v in synced.items()}
+        return self.precision.convert_state(own["params"], own["buffers"])
+
+    def _check_same_layout(self, tree: PyTree) -> None:
+        layout = [(p, tuple(t.shape), str(t.dtype)) for p, t in flatten_with_paths(tree)]
+        layouts = self.all_gather_object(layout)
+        for r, other in enumerate(layouts):
+            if other != layouts[0]:
+                why = _first_difference(layouts[0], other, r)
+                raise ValueError(
+                    f"rank {r}'s model does not match rank 0's: {why}; "
+                    "every rank must build the same model"
+                )
+
+    def convert_model(self, model: nn.Module) -> nn.Module:
+        """The template to train under this strategy: a copy with ``nn.SyncBatchNorm`` layers
+        when ``sync_batchnorm=True``, else ``model`` itself (never modified)."""
+        if not self.sync_batchnorm:
+            return model
+        if self.device.type == "cpu":
+            raise ValueError(
+                "sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run "
+                "on the CPU); on the CPU use buffers='mean' to average the running statistics"
+            )
+        return nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+
+    # ------------------------------------------------------------------ steps
+
+    def build_train_step(self, model: Any, loss_fn: Any, optimizer: Any, **kwargs: Any) -> Any:
+        return DDPTrainStep(model, loss_fn, optimizer, strategy=self, **kwargs)
+
+    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The step itself: the gradient all-reduce and the buffer sync live in the train
+        step that ``engine.train_step(..., strategy=ddp)`` builds (``DDPTrainStep``)."""
+        return step
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce(self, tree: Any, op: str = "mean") -> Any:
+        """``tree`` reduced across ranks ("mean" | "sum" | "max" | "min"): one collective per
+        (dtype, device) bucket; pure (new tensors); see ``hardware.collectives``."""
+        return all_reduce_tree(tree, op, timeout=self.timeout)
+
+    def broadcast(self, tree: Any, src: int = 0) -> Any:
+        """``tree`` as rank ``src`` has it, on every rank (new tensors)."""
+        return broadcast_tree(tree, src, timeout=self.timeout)
+
+    def barrier(self) -> None:
+        """Wait for every rank (gloo: ``monitored_barrier``, which names a missing rank)."""
+        with diagnosed("barrier", self.timeout):
+            if self.backend == "gloo":
+                dist.monitored_barrier(
+                    timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True
+                )
+            elif self.device.type == "cuda" and "nccl" in self.backend:
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        out: list[Any] = [None] * self.world_size
+        with diagnosed("all_gather_object", self.timeout):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank, e.g. a checkpoint path or a log
+        directory that rank 0 chose."""
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src!r}")
+        box = [obj]
+        with diagnosed(f"broadcast_object from rank {src}", self.timeout):
+            dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce_flag(self, flag: bool, op: str = "any") -> bool:
+        """A decision all ranks agree on: ``"any"`` (one rank saying True is enough, e.g. to
+        stop) or ``"all"``."""
+        if op not in _FLAG_OPS:
+            raise ValueError(f"op must be 'any' or 'all', got {op!r}")
+        value = torch.tensor([bool(flag)], dtype=torch.uint8, device=self._small_device())
+        return bool(self.all_reduce(value, _FLAG_OPS[op]).item())
+
+    def sync_metrics(self, tree: PyTree) -> PyTree:
+        """Every metric in ``tree`` merged across ranks (``engine.metrics.sync``): equal to
+        merging all ranks' metrics in one process."""
+        return metrics.sync(tree, self.all_reduce, device=self._small_device())
+
+    def sync_buffers(
+        self, buffers: dict[str, torch.Tensor], op: str = "mean"
+    ) -> dict[str, torch.Tensor]:
+        """Floating buffers reduced across ranks with ``op``; the others taken from rank 0."""
+        check_op(op)
+        floating = {n: b for n, b in buffers.items() if b.is_floating_point()}
+        other = {n: b for n, b in buffers.items() if n not in floating}
+        out = {**self.all_reduce(floating, op), **self.broadcast(other, 0)}
+        return {n: out[n] for n in buffers}
+
+    def in_sync(self, tree: PyTree) -> bool:
+        """Whether every rank holds bitwise the same ``tree`` (a debugging aid: hashes)."""
+        digest = hashlib.sha256()
+        for path, leaf in flatten_with_paths(tree):
+            digest.update(path.encode())
+            if isinstance(leaf, torch.Tensor):
+                t = leaf.detach().cpu().contiguous()
+                digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(repr(leaf).encode())
+        digests = self.all_gather_object(digest.hexdigest())
+        return all(d == digests[0] for d in digests)
+
+    def _small_device(self) -> torch.device:
+        """Where small control tensors travel: CPU when gloo serves it, else the device."""
+        return torch.device("cpu") if "gloo" in self.backend else self.device
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Destroy the process group if this value created it (idempotent)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def __enter__(self) -> DDP:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _first_difference(ours: list, theirs: list, rank: int) -> str:
+    names, other_names = [p for p, _, _ in ours], [p for p, _, _ in theirs]
+    if names != other_names:
+        missing = sorted(set(names) - set(other_names))
+        extra = sorted(set(other_names) - set(names))
+        return f"rank {rank} lacks {missing} and has {extra} more"
+    for (path, shape, dtype), (_, other_shape, other_dtype) in zip(ours, theirs):
+        if (shape, dtype) != (other_shape, other_dtype):
+            return (
+                f"{path} is {list(shape)} {dtype} on rank 0 but {list(other_shape)} "
+                f"{other_dtype} on rank {rank}"
+            )
+    return "unknown difference"
+
+
+class DDPTrainStep(TrainStep):
+    """``engine.TrainStep`` plus the strategy's buffer policy after every call.
+
+    The gradients are averaged by ``TrainStep`` itself (one ``all_reduce`` per optimizer
+    step); this class only keeps buffers in step across ranks (see ``DDP``'s ``buffers``).
+    """
+
+    def backward(
+        self, state: TrainState, batch: Any, *, end_window: bool | None = None
+    ) -> tuple[TrainState, Gradients]:
+        state, grads = super().backward(state, batch, end_window=end_window)
+        strategy = self.strategy
+        if state.buffers and strategy.buffers != "local":
+            if strategy.buffers == "broadcast":
+                synced = strategy.broadcast(state.buffers, 0)
+            else:
+                synced = strategy.sync_buffers(state.buffers, "mean")
+            state = state.replace(buffers=synced)
+        return state, grads
+
+
+# ---------------------------------------------------------------------- construction
+
+
+#: Seconds a collective may wait when ``ddp()`` creates the group and no timeout is given.
+DEFAULT_TIMEOUT = 60.0
+
+
+def _group_timeout() -> float:
+    """The default group's collective timeout, read back from its backend (best effort)."""
+    group = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # private API, or no backend for this device type
+            continue
+    return DEFAULT_TIMEOUT
+
+
+def _seconds(timeout: float | datetime.timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(seconds)
+
+
+def _device(device: torch.device | str | None, local_rank: int) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r} was requested but CUDA is not available")
+        if dev.index is None:
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise RuntimeError(
+                    f"LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s); "
+                    "start at most one process per GPU"
+                )
+            dev = torch.device("cuda", local_rank)
+    elif dev.type != "cpu":
+        raise ValueError(f"ddp runs on 'cpu' or 'cuda' devices, got {device!r}")
+    return dev
+
+
+def _default_backend(dev: torch.device) -> str:
+    return "gloo" if dev.type == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def ddp(
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    precision: str | int | Precision = "32-true",
+    sync_batchnorm: bool = False,
+    device: torch.device | str | None = None,
+    *,
+    buffers: str = "broadcast",
+    loss_scale: DynamicLossScale | None = None,
+) -> DDP:
+    """This process's rank of a data-parallel run, with the process group initialised.
+
+    ``backend``: default ``"gloo"`` on CPU, ``"cpu:gloo,cuda:nccl"`` on CUDA. ``timeout``:
+    seconds (or a ``timedelta``) any collective may wait before failing; default 60 s, or
+    the timeout of an already initialised group, which is adopted as it is (an explicit
+    ``backend`` must match it; an explicit ``timeout`` is applied to it). ``device``:
+    default ``cuda:LOCAL_RANK`` when CUDA is available, else CPU. ``buffers``: one of
+    ``BUFFER_MODES`` (see the module docstring).
+    """
+    seconds = None if timeout is None else _seconds(timeout)
+    if buffers not in BUFFER_MODES:
+        raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed support")
+    owns = False
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            local_rank = ProcessEnv.from_environ().local_rank
+        except RuntimeError:
+            local_rank = rank
+        dev = _device(device, local_rank)
+        active = str(dist.get_backend())
+        if backend is not None and backend != active:
+            raise ValueError(
+                f"the process group already exists with backend {active!r}, not {backend!r}"
+            )
+        backend = active
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        if seconds is None:
+            seconds = _group_timeout()
+        else:
+            dist.group.WORLD.set_timeout(datetime.timedelta(seconds=seconds))
+    else:
+        seconds = DEFAULT_TIMEOUT if seconds is None else seconds
+        env = ProcessEnv.from_environ()
+        rank, world, local_rank = env.rank, env.world_size, env.local_rank
+        dev = _device(device, local_rank)
+        backend = backend if backend is not None else _default_backend(dev)
+        if dev.type == "cpu" and backend == "nccl":
+            raise ValueError("backend 'nccl' reduces CUDA tensors only; on CPU use 'gloo'")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        try:
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=seconds),
+            )
+        except (RuntimeError, ValueError) as err:
+            raise RuntimeError(
+                f"rank {rank}: could not form the process group of {world} ranks at "
+                f"{env.master_addr}:{env.master_port} with backend {backend!r} within "
+                f"{seconds:g} s: {err}"
+            ) from err
+        owns = True
+    policy = (
+        precision
+        if isinstance(precision, Precision)
+        else make_precision(precision, dev, loss_scale=loss_scale)
+    )
+    return DDP(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        device=dev,
+        precision=policy,
+        backend=backend,
+        timeout=seconds,
+        sync_batchnorm=bool(sync_batchnorm),
+        buffers=buffers,
+        owns_group=owns,
+    )
+
+
+def ddp_from_flags(use_cuda: bool, devices: Any, count: int | None, precision: Any) -> DDP:
+    """``ddp()`` for the Trainer's flags: ``devices`` must agree with the processes started
+    on this machine (``LOCAL_WORLD_SIZE``); a list of indices maps ``LOCAL_RANK`` to a GPU."""
+    try:
+        env: ProcessEnv | None = ProcessEnv.from_environ()
+    except RuntimeError:
+        if not dist.is_initialized():
+            raise
+        env = None  # a group made by hand, without the torchrun variables
+    local_rank = env.local_rank if env is not None else 0
+    local_world = env.local_world_size if env is not None else None
+    if count not in (None, -1) and local_world is not None and count != local_world:
+        raise ValueError(
+            f"devices={devices!r} asks for {count} process(es) on this machine but "
+            f"{local_world} were started; match torchrun's --nproc_per_node to devices"
+        )
+    device: str | torch.device = "cuda" if use_cuda else "cpu"
+    if use_cuda and isinstance(devices, (list, tuple)):
+        device = torch.device("cuda", int(devices[local_rank]))
+    return ddp(precision=precision, device=device)

@@ -1,0 +1,106 @@
+"""The Trainer under DDP on 2 CPU ranks: same user code, sharded data, agreed decisions.
+
+One launch runs a Trainer.fit on each rank and reports what it saw. Checked: both ranks end
+with the same state; the run equals a single-process run whose batch is the two ranks'
+batches together (to 1e-6); a stop requested on one rank only stops both at the same step;
+only rank 0 writes logs; epoch-level validation values cover both shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import hardware
+from engine import optim, tree
+from loops import Trainer
+from loops.callbacks import LambdaCallback
+from loops.events import Requests
+from loops.loggers import MemoryLogger
+from tests.helpers import mlp
+
+pytestmark = pytest.mark.timeout(180)
+
+B = 4  # samples per rank and batch
+
+
+def _data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _loss(apply, batch):
+    x, y = batch
+    return F.cross_entropy(apply(x), y)
+
+
+def _fit(strategy, batch_size: int, stop_rank: int | None = None):
+    logger = MemoryLogger()
+    callbacks = []
+    if stop_rank is not None:
+
+        def maybe_stop(ctx):
+            if ctx.rank == stop_rank and ctx.batch_idx == 2:
+                return Requests(stop=True)
+            return None
+
+        callbacks.append(LambdaCallback(on_train_batch_end=maybe_stop))
+    trainer = Trainer(
+        max_epochs=2,
+        logger=logger,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        strategy=strategy if strategy is not None else "auto",
+    )
+    train = DataLoader(_data(48, 0), batch_size=batch_size, shuffle=True)
+    val = DataLoader(_data(16, 1), batch_size=batch_size)
+    state = trainer.fit(mlp(seed=0), _loss, optim.sgd(0.1, momentum=0.9), train, val, seed=3)
+    return state, logger, trainer
+
+
+def _rank_main(rank: int) -> dict:
+    strategy = hardware.ddp()
+    state, logger, trainer = _fit(strategy, B)
+    stopped, _, _ = _fit(strategy, B, stop_rank=1)
+    return {
+        "params": {k: v.clone() for k, v in state.params.items()},
+        "step": state.progress.step,
+        "rows": len(logger.metrics),
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "stopped_step": stopped.progress.step,
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return hardware.launch(_rank_main, 2, max_seconds=150, timeout=30)
+
+
+def test_both_ranks_end_with_the_same_state(ranks):
+    tree.assert_trees_equal(ranks[0]["params"], ranks[1]["params"])
+    assert ranks[0]["step"] == ranks[1]["step"] == 2 * (48 // (2 * B))
+
+
+def test_ddp_equals_one_process_with_the_combined_batch(ranks):
+    single, _, trainer = _fit(None, 2 * B)
+    tree.assert_trees_close(ranks[0]["params"], single.params, rtol=1e-6, atol=1e-6)
+    # validation values are merged over both shards: they equal the single-process ones
+    assert ranks[0]["val_loss"] == pytest.approx(
+        float(trainer.callback_metrics["val_loss"]), rel=1e-6
+    )
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"]
+
+
+def test_a_stop_on_one_rank_stops_both_at_the_same_step(ranks):
+    assert ranks[0]["stopped_step"] == ranks[1]["stopped_step"] == 3
+
+
+def test_only_rank_zero_writes_logs(ranks):
+    assert ranks[0]["rows"] > 0
+    assert ranks[1]["rows"] == 0
