@@ -96,6 +96,9 @@ class Driver:
         self.pending: list[Requests] = []
         self.logger_step = 0
         self.last_commit: TrainState | None = None
+        # Called with (state, driver) at every commit point, before queued saves: the
+        # Trainer checks for preemption here; a hook may raise to end the run.
+        self.commit_hooks: list[Callable[[TrainState, Driver], None]] = []
         self._started: float | None = None
         self._collectors: list[dict[str, torch.Tensor]] = []
 
@@ -199,9 +202,14 @@ class Driver:
                     self.log_metrics(values, self.logger_step)
             if changes:
                 state = loop_state.put(state, loop.replace(**changes))
-        if requests.save or requests.remove or requests.link:
+        if requests.save or requests.save_weights or requests.remove or requests.link:
             self.pending.append(
-                Requests(save=requests.save, remove=requests.remove, link=requests.link)
+                Requests(
+                    save=requests.save,
+                    save_weights=requests.save_weights,
+                    remove=requests.remove,
+                    link=requests.link,
+                )
             )
         for message in requests.messages:
             self.say(message)
@@ -254,20 +262,25 @@ class Driver:
 
         Called by the loops only at points they can resume from exactly (after a batch is
         fully processed, after an epoch ends), so every checkpoint holds such a state. The
-        state is remembered as ``last_commit``.
+        state is remembered as ``last_commit``; then the ``commit_hooks`` run (preemption).
+        Under several processes a point inside an open accumulation window is not a commit
+        point (each process holds its own partial gradients): the work waits for the next.
         """
-        self.last_commit = state
-        if not self.pending:
+        if self.world_size > 1 and state.progress.micro_step != 0:
             return
+        self.last_commit = state
         pending, self.pending = self.pending, []
         for requests in pending:
-            if requests.save and self.checkpointer is None:
+            paths = (*requests.save, *requests.save_weights)
+            if paths and self.checkpointer is None:
                 raise RuntimeError(
-                    f"a callback asked to save {list(requests.save)} but this loop has no "
+                    f"a callback asked to save {list(paths)} but this loop has no "
                     "checkpointer; pass one to the Driver (the Trainer does)"
                 )
             for path in requests.save:
                 self.checkpointer(state, path, self)
+            for path in requests.save_weights:
+                self.checkpointer(_weights_only(state), path, self)
         for requests in pending:
             for target, link in requests.link:
                 if self.linker is not None and self.is_primary:
@@ -275,6 +288,8 @@ class Driver:
             for path in requests.remove:
                 if self.remover is not None and self.is_primary:
                     self.remover(path)
+        for hook in self.commit_hooks:
+            hook(state, self)
 
     # ------------------------------------------------------------------ failures
 
@@ -287,9 +302,9 @@ class Driver:
         Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in Lightning. The
         caller re-raises or returns; this returns the state after ``on_exception``.
         """
-        interrupted = isinstance(exc, KeyboardInterrupt)
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
         self.status = "interrupted"
-        if interrupted:
+        if isinstance(exc, KeyboardInterrupt):
             self.say("Detected KeyboardInterrupt, attempting graceful shutdown ...")
         try:
             state = self.fire("on_exception", state, exception=exc)
@@ -301,6 +316,11 @@ class Driver:
             if not interrupted:
                 self.stage = None
         return state
+
+
+def _weights_only(state: TrainState) -> dict[str, Any]:
+    """What a weights-only checkpoint holds: parameters and buffers (no optimizer, no loop)."""
+    return {"weights_only": True, "params": state.params, "buffers": state.buffers}
 
 
 def _as_tensor(value: Any) -> torch.Tensor:

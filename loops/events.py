@@ -186,14 +186,14 @@ def dispatch(
 ) -> tuple[TrainState, Requests]:
     """Run ``event`` on every callback that handles it; thread their states; merge requests.
 
-    Handlers run in list order; at ``on_train_epoch_end`` and ``on_validation_end`` the
-    "monitoring" callbacks (early stopping, checkpointing) run after the others, as in
+    Handlers run in list order; at ``on_train_epoch_end`` the "monitoring" callbacks
+    (early stopping, checkpointing) run after the others (the task's handler included), as in
     Lightning, so they see what the others logged.
     """
     handlers = [cb for cb in callbacks if _overrides(cb, event)]
     if not handlers:
         return state, NOTHING
-    if event in ("on_train_epoch_end", "on_validation_end"):
+    if event == "on_train_epoch_end":
         handlers.sort(key=lambda cb: bool(getattr(cb, "monitoring", False)))
     states = dict(state.callbacks)
     merged = NOTHING

@@ -35,15 +35,17 @@ from engine import optim, rng
 from engine.state import TrainState
 
 from . import loop_state, schedule
-from .callbacks import ModelSummary, ProgressBar, Timer
+from .callbacks import ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from .config import FLAG_NAMES, LoopConfig
 from .data import Batches, as_list, combine, source
 from .driver import Driver
+from .driver import _print_message as _say
 from .evaluate import evaluate
 from .events import Stage
 from .fit import FitLoop
 from .loggers import create_loggers
 from .predict import predict as run_predict
+from .resume import Checkpointing
 from .task import DataModule, Task, task_callback
 from .trainer_args import add_argparse_args, defaults_from_env, from_argparse_args
 
@@ -130,6 +132,8 @@ class Trainer:
         deterministic: bool | str | None = None,
         detect_anomaly: bool = False,
         multiple_trainloader_mode: str = "max_size_cycle",
+        async_checkpoint: bool = False,
+        preemption_signals: Sequence[int] | None = None,
     ) -> None:
         loop_flags = {
             "max_epochs": max_epochs,
@@ -190,10 +194,28 @@ class Trainer:
         self.detect_anomaly = detect_anomaly
         self.multiple_trainloader_mode = multiple_trainloader_mode
         self.callbacks = _as_callbacks(callbacks)
+        given = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        if given and not self.enable_checkpointing:
+            raise ValueError(
+                "Trainer(enable_checkpointing=False) but a ModelCheckpoint is in callbacks: "
+                "remove it or enable checkpointing"
+            )
+        if self.enable_checkpointing and not given:
+            self.callbacks.append(ModelCheckpoint())
         self.loggers = (
             []
             if self.config.fast_dev_run
             else create_loggers(True if logger is None else logger, self.default_root_dir)
+        )
+        if not isinstance(async_checkpoint, bool):
+            raise TypeError(f"async_checkpoint must be a bool, got {async_checkpoint!r}")
+        self.checkpointing = Checkpointing(
+            strategy=self.strategy,
+            loggers=self.loggers,
+            config=self.config,
+            root_dir=self.default_root_dir,
+            async_save=async_checkpoint,
+            **({} if preemption_signals is None else {"signals": tuple(preemption_signals)}),
         )
         self.status = TrainerStatus.INITIALIZING
         self.fn: str | None = None
@@ -345,17 +367,32 @@ class Trainer:
     def _observers(self) -> list[Any]:
         return [ProgressBar()] if self.enable_progress_bar else []
 
-    def _checkpointer(self, state: TrainState, path: str, driver: Driver) -> None:
-        from engine import checkpoint
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first ``ModelCheckpoint`` among the callbacks (None without one)."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
 
-        metadata = {"fn": driver.fn, "flags": self.config.flags, "elapsed": driver.elapsed()}
-        checkpoint.save(state, path, metadata=metadata)
+    @property
+    def best_model_path(self) -> str:
+        """The checkpoint callback's best path after fit ("" before any save)."""
+        cb, state = self.checkpoint_callback, self._latest
+        if cb is None or state is None:
+            return ""
+        return state.callbacks.get(cb.key, {}).get("best_model_path", "")
 
-    @staticmethod
-    def _remover(path: str) -> None:
-        from engine import checkpoint
-
-        checkpoint.remove(path)
+    def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        """Write the latest training state (or its weights) to ``path``, as callbacks do."""
+        state = self._latest
+        if state is None:
+            raise RuntimeError("there is no training state to save yet: call fit() first")
+        driver = self._driver or Driver(fn="fit", config=self.config, strategy=self.strategy)
+        payload = (
+            {"weights_only": True, "params": state.params, "buffers": state.buffers}
+            if weights_only
+            else state
+        )
+        self.checkpointing.save(payload, path, driver)
+        self.checkpointing.wait()
 
     def _driver_for(self, fn: str, task: Task | None, model: nn.Module | None) -> Driver:
         messages: list[str] = []
@@ -367,8 +404,9 @@ class Trainer:
             config=self.config,
             strategy=self.strategy,
             log_dir=self.log_dir,
-            checkpointer=self._checkpointer,
-            remover=self._remover,
+            checkpointer=self.checkpointing.save,
+            remover=self.checkpointing.remove,
+            linker=self.checkpointing.link,
             exists=os.path.exists,
             clock=self._clock,
             extra={"model": model, "num_loggers": len(self.loggers)},
@@ -437,10 +475,15 @@ class Trainer:
         val_dataloaders: Any = None,
         *,
         datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
         state: TrainState | None = None,
         seed: int = 0,
     ) -> TrainState:
         """Train and return the final ``TrainState`` (the latest one after Ctrl-C).
+
+        ``ckpt_path``: resume from a checkpoint — a path, or ``"last"`` (the newest
+        checkpoint of this run that reads; starts fresh when there is none, so relaunching
+        the same command after a preemption resumes it).
 
         ``fit(task, train_dataloaders=..., val_dataloaders=...)``, ``fit(task,
         datamodule=dm)`` or ``fit(model, loss_fn, optimizer, train, val)``. ``state``
@@ -461,10 +504,17 @@ class Trainer:
             datamodule.prepare_data()
             datamodule.setup("fit")
         task.setup("fit")
-        net = task.get_model()
+        net = self.strategy.convert_model(task.get_model())
         opt = self._optimizer(task)
         if state is None:
             state = engine.init(net, opt, seed=seed, strategy=self.strategy)
+        elapsed = 0.0
+        say = self._printer or _say
+        url = self.checkpointing.resolve(ckpt_path, self.callbacks, None, fn="fit", say=say)
+        if url is not None:
+            state, meta = self.checkpointing.restore(url, state)
+            elapsed = float(meta.get("elapsed", 0.0))
+            say(f"Restored the training state from {url}")
         seed_key = self._data_seed(state)
         config = self.config
 
@@ -497,6 +547,7 @@ class Trainer:
             else None
         )
         driver = self._driver_for("fit", task, net)
+        driver.elapsed_offset = elapsed
         for message in schedule.startup_messages(config):
             driver.say(message)
         if has_val_data and not task.has("validation_step"):
@@ -517,9 +568,10 @@ class Trainer:
         )
         self._loop = loop
         try:
-            with self._run_context():
+            with self._run_context(), self.checkpointing.preemption(driver, driver.callbacks):
                 state = loop.run(state)
         finally:
+            self.checkpointing.wait()
             self.status = driver.status
             self.train_state = loop.state if loop.state is not None else state
         if self.status == TrainerStatus.FINISHED:
@@ -565,6 +617,16 @@ class Trainer:
                 state = engine.init(task.get_model(), optim.identity(), strategy=self.strategy)
         return task, state
 
+    def _from_checkpoint(self, ckpt_path: str | None, state: TrainState, fn: str) -> TrainState:
+        """``state`` with the weights of ``ckpt_path`` ("best", "last" or a path), if given."""
+        if ckpt_path is None:
+            return state
+        say = self._printer or _say
+        url = self.checkpointing.resolve(ckpt_path, self.callbacks, self._latest, fn=fn, say=say)
+        if url is None:
+            raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no checkpoint found")
+        return self.checkpointing.load_for_eval(url, state)
+
     def _data_for(
         self, name: str, dataloaders: Any, datamodule: DataModule | None, getter: str
     ) -> Any:
@@ -585,16 +647,18 @@ class Trainer:
         state: TrainState | None,
         fn: Any,
         verbose: bool,
+        ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         name = "validate" if stage == Stage.VALIDATE else "test"
         method = "validation_step" if stage == Stage.VALIDATE else "test_step"
         task, state = self._eval_target(model, fn, state, method)
+        state = self._from_checkpoint(ckpt_path, state, name)
         if not task.has(method):
             raise NotImplementedError(f"{type(task).__name__} does not define {method}()")
         getter = "val_dataloader" if stage == Stage.VALIDATE else "test_dataloader"
         dataloaders = self._data_for(name, dataloaders, datamodule, getter)
         task.setup(name)
-        net = task.get_model()
+        net = self.strategy.convert_model(task.get_model())
         sources = self._eval_data(dataloaders, self._data_seed(state))
         if not sources:
             raise ValueError(f"{name} needs data: pass dataloaders or a datamodule")
@@ -624,13 +688,17 @@ class Trainer:
         state: TrainState | None = None,
         fn: Any = None,
         verbose: bool = True,
+        ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Evaluate on validation data; one dict of epoch-level metrics per dataloader.
 
         ``model`` is a ``TrainState`` (evaluated with the last fitted task), a ``Task``, or
         an ``nn.Module`` with ``fn``; ``state`` defaults to the last fitted state.
+        ``ckpt_path``: evaluate the weights of a checkpoint ("best", "last" or a path).
         """
-        return self._evaluate(Stage.VALIDATE, model, dataloaders, datamodule, state, fn, verbose)
+        return self._evaluate(
+            Stage.VALIDATE, model, dataloaders, datamodule, state, fn, verbose, ckpt_path
+        )
 
     @_entry_point("test")
     def test(
@@ -642,9 +710,12 @@ class Trainer:
         state: TrainState | None = None,
         fn: Any = None,
         verbose: bool = True,
+        ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Evaluate on test data; one dict of epoch-level metrics per dataloader."""
-        return self._evaluate(Stage.TEST, model, dataloaders, datamodule, state, fn, verbose)
+        return self._evaluate(
+            Stage.TEST, model, dataloaders, datamodule, state, fn, verbose, ckpt_path
+        )
 
     @_entry_point("predict")
     def predict(
@@ -656,6 +727,7 @@ class Trainer:
         state: TrainState | None = None,
         fn: Any = None,
         return_predictions: bool = True,
+        ckpt_path: str | None = None,
     ) -> Any:
         """Predictions: a list of per-batch outputs, or one such list per dataloader.
 
@@ -668,9 +740,10 @@ class Trainer:
             if not is_fitted:
                 fn = _predict_default
         task, state = self._eval_target(model, fn, state, "predict_step")
+        state = self._from_checkpoint(ckpt_path, state, "predict")
         dataloaders = self._data_for("predict", dataloaders, datamodule, "predict_dataloader")
         task.setup("predict")
-        net = task.get_model()
+        net = self.strategy.convert_model(task.get_model())
         sources = self._eval_data(dataloaders, self._data_seed(state))
         if not sources:
             raise ValueError("predict needs data: pass dataloaders or a datamodule")

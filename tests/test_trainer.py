@@ -578,10 +578,12 @@ def test_deterministic_and_detect_anomaly_are_restored_after_fit():
     assert torch.are_deterministic_algorithms_enabled() == before[0]
 
 
-def test_same_seed_same_run_bitwise_different_seed_differs():
-    def run(seed):
+def test_same_seed_same_run_bitwise_different_seed_differs(tmp_path):
+    def run(seed, folder):
         logger = MemoryLogger()
-        t = trainer(max_epochs=2, logger=logger, log_every_n_steps=1)
+        t = trainer(
+            max_epochs=2, logger=logger, log_every_n_steps=1, default_root_dir=tmp_path / folder
+        )
         state = t.fit(
             net(dropout=0.5),
             loss_fn,
@@ -592,9 +594,12 @@ def test_same_seed_same_run_bitwise_different_seed_differs():
         )
         return state, logger.metrics
 
-    a, logs_a = run(0)
-    b, logs_b = run(0)
-    c, _ = run(1)
+    a, logs_a = run(0, "a")
+    b, logs_b = run(0, "b")
+    c, _ = run(1, "c")
+    # the checkpoint callback's paths name each run's own folder
+    a = a.replace(callbacks={k: v for k, v in a.callbacks.items() if k != "ModelCheckpoint"})
+    b = b.replace(callbacks={k: v for k, v in b.callbacks.items() if k != "ModelCheckpoint"})
     assert_trees_equal(a, b)
     assert logs_a == logs_b and len(logs_a) > 0
     assert not trees_equal(a.params, c.params)

@@ -8,10 +8,11 @@ classes rebuilt by name). ``find_latest(folder)`` picks the newest checkpoint th
 ``export_state_dict`` / ``load_weights`` exchange plain ``state_dict``s (``interop``).
 """
 
+from . import storage
 from .background import AsyncCheckpointer
 from .codec import CheckpointError, decode, encode
-from .discover import candidates, find_latest
-from .files import FORMAT, FORMAT_VERSION, load, load_metadata, read, save, versions
+from .discover import candidates, find_latest, modified_time
+from .files import FORMAT, FORMAT_VERSION, conform, load, load_metadata, read, save, versions
 from .interop import export_state_dict, load_weights, read_state_dict
 from .storage import MARKER_SUFFIX, is_committed, remove, remove_partial, write_atomic
 
@@ -22,6 +23,7 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointError",
     "candidates",
+    "conform",
     "decode",
     "encode",
     "export_state_dict",
@@ -30,11 +32,13 @@ __all__ = [
     "load",
     "load_metadata",
     "load_weights",
+    "modified_time",
     "read",
     "read_state_dict",
     "remove",
     "remove_partial",
     "save",
+    "storage",
     "versions",
     "write_atomic",
 ]

@@ -16,7 +16,7 @@ from . import storage
 from .codec import CheckpointError
 from .files import read
 
-__all__ = ["candidates", "find_latest"]
+__all__ = ["candidates", "find_latest", "modified_time"]
 
 
 def candidates(
@@ -39,7 +39,7 @@ def candidates(
             continue
         url = _join(folder, name)
         if storage.is_committed(url, commit=commit, storage_options=storage_options):
-            found.append((_mtime(info), name, url))
+            found.append((modified_time(info), name, url))
     found.sort(key=lambda item: (item[0], item[1]), reverse=True)
     return [url for _, _, url in found]
 
@@ -66,7 +66,8 @@ def _join(folder: str, name: str) -> str:
     return folder.rstrip("/") + "/" + name
 
 
-def _mtime(info: dict[str, Any]) -> float:
+def modified_time(info: dict[str, Any]) -> float:
+    """A file's modification time from an fsspec ``info`` dict (0 when it has none)."""
     for key in ("mtime", "created", "LastModified", "last_modified"):
         value = info.get(key)
         if value is None:

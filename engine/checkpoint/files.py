@@ -26,7 +26,16 @@ from engine import tree
 from . import storage
 from .codec import CheckpointError, decode, encode
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "load", "load_metadata", "read", "save", "versions"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "conform",
+    "load",
+    "load_metadata",
+    "read",
+    "save",
+    "versions",
+]
 
 FORMAT = "purestep-checkpoint"
 FORMAT_VERSION = 1
@@ -156,6 +165,15 @@ def load(
     if target is not None:
         state = _fit_to(state, target, strict=strict, url=url)
     return state, metadata
+
+
+def conform(loaded: Any, target: Any, *, url: str, what: str = "state") -> Any:
+    """``loaded`` checked against ``target``'s structure, shapes and dtypes and placed on
+    its devices; every difference is listed in one ``CheckpointError``."""
+    try:
+        return _fit_to(loaded, target, strict=True, url=url)
+    except CheckpointError as err:
+        raise CheckpointError(f"{what}: {err}") from None
 
 
 def _fit_to(loaded: Any, target: Any, *, strict: bool, url: str) -> Any:

@@ -1,0 +1,285 @@
+"""Checkpoint I/O for the Trainer: writing with metadata, finding and restoring, preemption.
+
+``Checkpointing`` is what the Trainer hands the loop driver as its checkpointer. A
+checkpoint holds the whole ``TrainState`` plus metadata: library versions, the loop flags,
+the elapsed training time (the driver's clock, which a resumed run continues) and each
+logger's resume state (so a resumed run's logs end as if never interrupted). Only the
+primary process writes; the others wait at a barrier.
+
+``resolve(ckpt_path)`` turns ``"last"`` (the newest checkpoint that reads, searched in the
+checkpoint folders, across the loggers' version folders), ``"best"`` (the checkpoint
+callback's best path) or a path into a URL. ``restore`` loads a checkpoint for resuming: the
+parameters, buffers and optimizer state must match the model and optimizer being trained;
+everything else (progress, key, callback and loop state) comes from the file.
+
+Preemption: during ``fit``, SIGTERM and SIGUSR1 (configurable) only set a flag; at the next
+commit point (the end of the current batch) the run writes ``last.ckpt`` in its checkpoint
+folder and exits with ``PREEMPTED_EXIT_CODE`` (75, "try again later"). Launching the same
+command again with ``ckpt_path="last"`` resumes from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from engine import checkpoint as ck
+from engine.state import TrainState
+
+from .callbacks.checkpoint import ModelCheckpoint
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted"]
+
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(SystemExit):
+    """Raised (as a ``SystemExit`` with code 75) after a preemption checkpoint is written."""
+
+    def __init__(self, path: str, signum: int) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.path = path
+        self.signum = signum
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"preempted by {name}: checkpoint written to {self.path}"
+
+
+class Checkpointing:
+    """The Trainer's checkpoint writer and finder (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        strategy: Any,
+        loggers: Sequence[Any],
+        config: Any,
+        root_dir: str,
+        async_save: bool = False,
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+    ) -> None:
+        self.strategy = strategy
+        self.loggers = list(loggers)
+        self.config = config
+        self.root_dir = root_dir
+        self.signals = tuple(signals)
+        self.saver = ck.AsyncCheckpointer() if async_save else None
+        self._signal: int | None = None
+
+    # ------------------------------------------------------------------ writing
+
+    def metadata(self, driver: Any, *, weights_only: bool = False) -> dict[str, Any]:
+        return {
+            "fn": driver.fn,
+            "flags": self.config.flags,
+            "elapsed": driver.elapsed(),
+            "loggers": [logger.state() for logger in self.loggers],
+            "weights_only": weights_only,
+        }
+
+    def save(self, state: Any, path: str, driver: Any) -> None:
+        """Write ``state`` to ``path`` (the driver's checkpointer)."""
+        if self.strategy.is_primary:
+            weights_only = isinstance(state, dict) and state.get("weights_only") is True
+            meta = self.metadata(driver, weights_only=weights_only)
+            if self.saver is not None:
+                self.saver.save(state, path, metadata=meta)
+            else:
+                ck.save(state, path, metadata=meta)
+        self.strategy.barrier()
+
+    def wait(self) -> None:
+        """Block until an asynchronous write is done (a run never ends with one in flight)."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+            self.saver = None
+
+    @staticmethod
+    def remove(path: str) -> None:
+        ck.remove(path)
+
+    @staticmethod
+    def link(target: str, link: str) -> None:
+        """``link`` points at ``target``: a relative symlink on local disks, a copy elsewhere."""
+        fs, link_path = ck.storage.filesystem(link)
+        if ck.storage.is_local_url(link):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(link_path)
+            try:
+                os.symlink(os.path.relpath(target, os.path.dirname(link_path)), link_path)
+                return
+            except OSError:
+                pass
+        fs.copy(ck.storage.filesystem(target)[1], link_path)
+
+    # ------------------------------------------------------------------ finding
+
+    def folders(self, callbacks: Sequence[Any], state: TrainState | None = None) -> list[str]:
+        """Where checkpoints of this run may be: the checkpoint callbacks' folders and, for
+        the default folder, every version folder of the first logger."""
+        found: list[str] = []
+        for cb in callbacks:
+            if isinstance(cb, ModelCheckpoint):
+                saved = state.callbacks.get(cb.key, {}) if state is not None else {}
+                if saved.get("dirpath"):
+                    found.append(saved["dirpath"])
+                elif cb.dirpath:
+                    found.append(cb.dirpath)
+        if self.loggers and getattr(self.loggers[0], "root_dir", None):
+            root = self.loggers[0].root_dir
+            fs, path = ck.storage.filesystem(root)
+            if fs.exists(path):
+                versions = [
+                    e
+                    for e in fs.ls(path, detail=False)
+                    if e.rsplit("/", 1)[-1].startswith("version_")
+                ]
+                found += [_with_protocol(root, v) + "/checkpoints" for v in sorted(versions)]
+        found.append(self.root_dir.rstrip("/") + "/checkpoints")
+        return list(dict.fromkeys(found))
+
+    def resolve(
+        self,
+        ckpt_path: str | None,
+        callbacks: Sequence[Any],
+        state: TrainState | None,
+        *,
+        fn: str,
+        say: Any = None,
+    ) -> str | None:
+        """The checkpoint URL ``ckpt_path`` names (None: start fresh)."""
+        if ckpt_path is None:
+            return None
+        if ckpt_path == "last":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                url = _first_valid(self.folders(callbacks, state))
+            for w in caught:
+                if say is not None:
+                    say(str(w.message))
+            if url is None and say is not None:
+                say('ckpt_path="last" is set, but there is no checkpoint yet: starting fresh.')
+            return url
+        if ckpt_path == "best":
+            if fn == "fit":
+                raise ValueError('ckpt_path="best" is for validate/test/predict, not fit')
+            for cb in callbacks:
+                if isinstance(cb, ModelCheckpoint) and state is not None:
+                    best = state.callbacks.get(cb.key, {}).get("best_model_path")
+                    if best:
+                        return best
+            raise ValueError(
+                'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this '
+                "Trainer's fit; pass a path instead"
+            )
+        return os.fspath(ckpt_path)
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, url: str, fresh: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        """The state to resume from ``url``, checked against ``fresh`` (a new state of the
+        same model and optimizer); the loggers are set to continue from the checkpoint."""
+        loaded, meta = ck.load(url)
+        if meta.get("weights_only") or not isinstance(loaded, TrainState):
+            raise ck.CheckpointError(
+                f"{url} holds weights only and cannot resume training; start from its weights "
+                "with engine.checkpoint.load_weights(state, path, model)"
+            )
+        for part in ("params", "buffers", "opt_state", "precision"):
+            ck.conform(getattr(loaded, part), getattr(fresh, part), url=url, what=part)
+        states = meta.get("loggers") or []
+        if len(states) == len(self.loggers):
+            for logger, logger_state in zip(self.loggers, states):
+                logger.restore(logger_state)
+        elif self.loggers:
+            warnings.warn(
+                f"{url} was written with {len(states)} logger(s) and this run has "
+                f"{len(self.loggers)}: the logs are not rewound to the checkpoint",
+                stacklevel=3,
+            )
+        return loaded, meta
+
+    def load_for_eval(self, url: str, fresh: TrainState) -> TrainState:
+        """Parameters and buffers from ``url`` (a full or weights-only checkpoint)."""
+        loaded, _ = ck.load(url)
+        params = loaded["params"] if isinstance(loaded, dict) else loaded.params
+        buffers = loaded["buffers"] if isinstance(loaded, dict) else loaded.buffers
+        ck.conform(params, fresh.params, url=url, what="params")
+        ck.conform(buffers, fresh.buffers, url=url, what="buffers")
+        return fresh.replace(params=params, buffers=buffers)
+
+    # ------------------------------------------------------------------ preemption
+
+    @contextlib.contextmanager
+    def preemption(self, driver: Any, callbacks: Sequence[Any]) -> Iterator[None]:
+        """Catch the preemption signals for the duration of a fit (main thread only) and
+        checkpoint then exit at the next commit point after one arrives."""
+        self._signal = None
+        installed: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                installed[signum] = signal.signal(signum, self._on_signal)
+
+        def at_commit(state: TrainState, drv: Any) -> None:
+            flag = self._signal is not None
+            if drv.world_size > 1:
+                flag = self.strategy.reduce_flag(flag, "any")
+            if not flag:
+                return
+            folder = self.folders(callbacks, state)[0]
+            path = folder.rstrip("/") + "/last.ckpt"
+            self.save(state, path, drv)
+            self.wait()
+            drv.say(
+                f"Preempted: checkpoint written to {path}; exiting with code "
+                f"{PREEMPTED_EXIT_CODE}. Resume with ckpt_path='last'."
+            )
+            raise Preempted(path, self._signal or signal.SIGTERM)
+
+        driver.commit_hooks.append(at_commit)
+        try:
+            yield
+        finally:
+            driver.commit_hooks.remove(at_commit)
+            for signum, previous in installed.items():
+                signal.signal(signum, previous)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal = signum
+
+
+def _with_protocol(root: str, path: str) -> str:
+    if "://" in root and "://" not in path:
+        return root.split("://", 1)[0] + "://" + path
+    return path
+
+
+def _mtime(url: str) -> float:
+    fs, path = ck.storage.filesystem(url)
+    return ck.modified_time(fs.info(path))
+
+
+def _first_valid(folders: Sequence[str]) -> str | None:
+    """The newest checkpoint that reads, across ``folders`` (warning about broken ones)."""
+    candidates: list[str] = []
+    for folder in folders:
+        candidates += ck.candidates(folder)
+    candidates.sort(key=_mtime, reverse=True)
+    for url in candidates:
+        try:
+            ck.read(url)
+        except (ck.CheckpointError, OSError) as err:
+            warnings.warn(f"skipping checkpoint {url}: {err}", stacklevel=2)
+            continue
+        return url
+    return None
