@@ -104,3 +104,59 @@ def test_a_stop_on_one_rank_stops_both_at_the_same_step(ranks):
 def test_only_rank_zero_writes_logs(ranks):
     assert ranks[0]["rows"] > 0
     assert ranks[1]["rows"] == 0
+
+
+# --------------------------------------------------------------------------- kill and resume
+
+
+def _resumable_fit(rank: int, folder: str, kill_at: int | None, resume: bool) -> str | None:
+    """A 2-rank fit that checkpoints every step; ``kill_at``: every rank SIGKILLs itself at
+    that train batch end. Returns the digest of the final state (rank 0)."""
+    import os
+    import signal
+
+    from loops.callbacks import ModelCheckpoint
+    from tests.helpers import digest
+
+    os.chdir(folder)
+    seen = {"n": 0}
+
+    def killer(ctx):
+        seen["n"] += 1
+        if kill_at is not None and seen["n"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            LambdaCallback(name="killer", on_train_batch_end=killer),
+            ModelCheckpoint(dirpath="ckpts", every_n_train_steps=1, save_top_k=0, save_last=True),
+        ],
+        strategy=hardware.ddp(),
+    )
+    train = DataLoader(_data(48, 0), batch_size=B, shuffle=True)
+    val = DataLoader(_data(16, 1), batch_size=B)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3)
+    )
+    state = trainer.fit(
+        net, _loss, optim.adam(1e-2), train, val, seed=5, ckpt_path="last" if resume else None
+    )
+    return digest(state) if rank == 0 else None
+
+
+def test_a_killed_ddp_run_resumes_bitwise(tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    whole.mkdir()
+    broken.mkdir()
+    reference = hardware.launch(_resumable_fit, 2, str(whole), None, False, max_seconds=120)[0]
+    with pytest.raises(hardware.LaunchError):
+        hardware.launch(_resumable_fit, 2, str(broken), 7, False, max_seconds=120)
+    assert (broken / "ckpts" / "last.ckpt").exists()
+    resumed = hardware.launch(_resumable_fit, 2, str(broken), None, True, max_seconds=120)[0]
+    assert resumed == reference
