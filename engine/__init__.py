@@ -1,8 +1,9 @@
 """The functional core of purestep: state pytrees, keys, optimizers and pure step functions."""
 
-from . import checkpoint, metrics, optim, rng, tree
+from . import checkpoint, metrics, optim, per_sample, rng, tree
 from .bind import Binder
 from .loss_scale import DynamicLossScale, LossScaleState
+from .per_sample import PerSampleStep, per_sample_step
 from .state import Progress, TrainState, init, trainable_names
 from .step import StepOutput, eval_step, predict_step, train_step
 from .strategy import Local, Precision, Strategy
@@ -30,4 +31,7 @@ __all__ = [
     "train_step",
     "trainable_names",
     "tree",
+    "PerSampleStep",
+    "per_sample",
+    "per_sample_step",
 ]

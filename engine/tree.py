@@ -250,6 +250,8 @@ def _leaf_problem(a: Any, b: Any, rtol: float, atol: float) -> str | None:
         )
     bad = a != b
     n_bad = int(bad.sum())
+    if n_bad == 0:
+        return None
     idx = tuple(int(i) for i in bad.nonzero()[0]) if a.dim() else ()
     return f"{n_bad}/{a.numel()} elements differ, first at {list(idx)}: {a[idx]!r} vs {b[idx]!r}"
 

@@ -2,8 +2,17 @@
 
 from .collectives import REDUCE_OPS, CollectiveError, all_reduce_tree, broadcast_tree
 from .ddp import BUFFER_MODES, DDP, DDPTrainStep, ddp
+from .ensemble import (
+    Ensemble,
+    EnsembleEvalStep,
+    EnsemblePredictStep,
+    EnsembleStepOutput,
+    EnsembleTrainStep,
+    ensemble,
+)
 from .flags import from_flags
 from .launch import LaunchError, LaunchTimeout, free_port, launch
+from .members import EnsembleInfo, is_ensemble, member, stack
 from .precision import PRECISIONS, MixedPrecision, TruePrecision, precision
 from .process_env import ProcessEnv
 from .single import SingleDevice, single_device
@@ -29,4 +38,14 @@ __all__ = [
     "from_flags",
     "precision",
     "single_device",
+    "Ensemble",
+    "EnsembleEvalStep",
+    "EnsembleInfo",
+    "EnsemblePredictStep",
+    "EnsembleStepOutput",
+    "EnsembleTrainStep",
+    "ensemble",
+    "is_ensemble",
+    "member",
+    "stack",
 ]

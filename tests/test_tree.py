@@ -110,3 +110,10 @@ def test_global_norm_matches_torch(values):
     g = {"a": torch.tensor(values), "b": torch.tensor(values[::-1]) * 2}
     reference = torch.linalg.vector_norm(torch.cat([g["a"], g["b"]]))
     torch.testing.assert_close(tree.global_norm(g), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_integer_tensors_compare_exactly_with_or_without_tolerances():
+    a = {"n": torch.tensor([1, 2, 3])}
+    tree.assert_trees_close(a, {"n": torch.tensor([1, 2, 3])}, rtol=1e-3)
+    with pytest.raises(AssertionError, match="1/3 elements differ"):
+        tree.assert_trees_close(a, {"n": torch.tensor([1, 2, 4])}, rtol=1e-3)

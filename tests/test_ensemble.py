@@ -1,0 +1,501 @@
+"""hardware.ensemble: K members trained at once equal K separate runs.
+
+Tolerances: without BatchNorm every member's parameters, optimizer state and outputs are
+**bitwise** equal to a separate ``engine.train_step`` run from that member's initial state
+(CPU, one thread; both gradient paths). With BatchNorm the batched kernels round
+differently, so members agree to ``rtol=1e-5, atol=1e-6`` (SGD, so rounding is not
+amplified). Run time: about 3 s.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import batches, clone_tree, digest, loss_fn, mlp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import engine
+import hardware
+from engine import checkpoint, metrics, optim, rng, tree
+from hardware import member_optim
+
+K = 3
+
+
+def separate_runs(net, opt, start, data, **kwargs):
+    """Each member of ``start`` trained alone with the plain engine step."""
+    step = engine.train_step(net, loss_fn, opt, **kwargs)
+    states, outs = [hardware.member(start, i) for i in range(start.params["0.weight"].shape[0])], []
+    for batch in data:
+        results = [step(s, batch) for s in states]
+        states = [s for s, _ in results]
+        outs.append([o for _, o in results])
+    return states, outs
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    """Floating leaves to a tolerance, everything else exactly.
+
+    (``tree.assert_trees_close`` reports equal integer tensors as different when a tolerance
+    is given, so integer buffers such as ``num_batches_tracked`` are compared here.)
+    """
+    pa, pb = tree.flatten_with_paths(a), tree.flatten_with_paths(b)
+    assert [p for p, _ in pa] == [p for p, _ in pb]
+    for (path, x), (_, y) in zip(pa, pb):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=path)
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), path
+        else:
+            assert x == y, path
+
+
+def train(step, state, data):
+    outs = []
+    for batch in data:
+        state, out = step(state, batch)
+        outs.append(out)
+    return state, outs
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("grad", ["autograd", "func"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optim.adam(1e-2),
+        lambda: optim.adamw(3e-3, weight_decay=0.1),
+        lambda: optim.sgd(0.1, momentum=0.9, nesterov=True),
+        lambda: optim.rmsprop(1e-2, momentum=0.5),
+    ],
+    ids=["adam", "adamw", "sgd_nesterov", "rmsprop"],
+)
+def test_members_equal_separate_runs_bitwise(grad, make_opt):
+    net, opt, data = mlp(), make_opt(), batches(3)
+    ens = hardware.ensemble(K)
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    state, outs = train(engine.train_step(net, loss_fn, opt, strategy=ens, grad=grad), start, data)
+    solo, solo_outs = separate_runs(net, opt, start, data)
+    for i in range(K):
+        tree.assert_trees_equal(hardware.member(state, i), solo[i])
+        for out, alone in zip(outs, solo_outs):
+            # the vmapped mean inside cross_entropy may sum in another order: 1 ulp
+            torch.testing.assert_close(out.loss[i], alone[i].loss, rtol=1e-6, atol=0)
+            assert torch.equal(out.metrics["acc"][i], alone[i].metrics["acc"])
+            assert torch.equal(out.grad_norm[i], alone[i].grad_norm)
+    assert outs[-1].loss.shape == (K,) and outs[-1].grad_norm.shape == (K,)
+
+
+def test_accumulation_and_frozen_params_match_separate_runs():
+    net = mlp()
+    net[0].bias.requires_grad_(False)
+    opt, data = optim.adam(1e-2), batches(4)
+    ens = hardware.ensemble(K)
+    start = engine.init(net, opt, seed=1, strategy=ens)
+    step = engine.train_step(net, loss_fn, opt, strategy=ens, accumulate=2)
+    state, outs = train(step, start, data)
+    solo, _ = separate_runs(net, opt, start, data, accumulate=2)
+    for i in range(K):
+        tree.assert_trees_equal(hardware.member(state, i), solo[i])
+    assert [o.stepped for o in outs] == [False, True, False, True]
+    assert torch.equal(state.params["0.bias"], start.params["0.bias"])
+
+
+def test_batchnorm_buffers_are_per_member_and_match_separate_runs():
+    net, opt, data = mlp(batchnorm=True), optim.sgd(0.05, momentum=0.9), batches(3)
+    ens = hardware.ensemble(K)
+    start = engine.init(net, opt, seed=2, strategy=ens)
+    before = digest(start)
+    for grad in ("autograd", "func"):
+        step = engine.train_step(net, loss_fn, opt, strategy=ens, grad=grad)
+        state, _ = train(step, start, data)
+        assert digest(start) == before  # the running statistics came back as new tensors
+        assert state.buffers["1.running_mean"].shape == (K, 16)
+        assert state.buffers["1.num_batches_tracked"].tolist() == [3] * K
+        assert not torch.equal(
+            state.buffers["1.running_mean"][0], state.buffers["1.running_mean"][1]
+        )
+        solo, _ = separate_runs(net, opt, start, data)
+        for i in range(K):
+            assert_close(hardware.member(state, i), solo[i])
+
+
+def test_donating_gives_the_same_bits():
+    net, opt, data = mlp(batchnorm=True), optim.adam(1e-2), batches(3)
+    ens = hardware.ensemble(K, clip_grad_norm=0.5)
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    kept, _ = train(engine.train_step(net, loss_fn, opt, strategy=ens), start, data)
+    donated, _ = train(
+        engine.train_step(net, loss_fn, opt, strategy=ens, donate=True), clone_tree(start), data
+    )
+    tree.assert_trees_equal(donated, kept)
+
+
+def test_per_member_batches():
+    net, opt = mlp(), optim.adam(1e-2)
+    ens = hardware.ensemble(K, per_member_batch=True)
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    data = [batches(K, seed=s) for s in range(2)]  # K different batches per step
+    stacked = [
+        tuple(torch.stack([b[j] for b in step_data]) for j in range(2)) for step_data in data
+    ]
+    state, outs = train(engine.train_step(net, loss_fn, opt, strategy=ens), start, stacked)
+    assert state.progress.samples == 2 * 16
+    step = engine.train_step(net, loss_fn, opt)
+    for i in range(K):
+        alone = hardware.member(start, i)
+        for step_data in data:
+            alone, out = step(alone, step_data[i])
+        tree.assert_trees_equal(hardware.member(state, i), alone)
+        torch.testing.assert_close(outs[-1].loss[i], out.loss, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="leading axis of size 3"):
+        engine.train_step(net, loss_fn, opt, strategy=ens)(start, batches(1)[0])
+
+
+def test_eval_and_predict_per_member():
+    net, opt = mlp(batchnorm=True), optim.adam(1e-2)
+    ens = hardware.ensemble(K)
+    state, _ = train(
+        engine.train_step(net, loss_fn, opt, strategy=ens),
+        engine.init(net, opt, seed=0, strategy=ens),
+        batches(2),
+    )
+    batch = batches(1, seed=9)[0]
+
+    def eval_fn(apply, batch):
+        x, y = batch
+        logits = apply(x)
+        return F.cross_entropy(logits, y), {"acc": metrics.Accuracy.of(logits, y), "n": 16}
+
+    out = engine.eval_step(net, eval_fn, strategy=ens)(state, batch)
+    pred = engine.predict_step(net, strategy=ens)(state, batch[0])
+    assert out["loss"].shape == (K,) and pred.shape == (K, 16, 3) and out["n"] == 16
+    plain_eval, plain_pred = engine.eval_step(net, eval_fn), engine.predict_step(net)
+    for i in range(K):
+        m = hardware.member(state, i)
+        alone = plain_eval(m, batch)
+        torch.testing.assert_close(out["loss"][i], alone["loss"], rtol=1e-6, atol=1e-6)
+        assert torch.equal(out["acc"].correct[i], alone["acc"].correct)
+        torch.testing.assert_close(pred[i], plain_pred(m, batch[0]), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- initialisation
+
+
+def test_members_are_independent_initialisations_under_their_keys():
+    net = mlp()
+    ens = hardware.ensemble(4)
+    state = engine.init(net, optim.sgd(0.1), seed=7, strategy=ens)
+    weights = state.params["0.weight"]
+    assert weights.shape == (4, 16, 8)
+    assert all(not torch.equal(weights[i], weights[j]) for i in range(4) for j in range(i))
+    run_key = rng.key(7)
+    assert state.rng == run_key
+    for i in range(4):
+        expected = copy.deepcopy(net)
+        with rng.scope(rng.fold_in(run_key, rng.Purpose.INIT, i)), torch.no_grad():
+            for m in expected.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        for name, p in expected.named_parameters():
+            assert torch.equal(state.params[name][i], p)
+        assert hardware.member(state, i).rng == rng.fold_in(run_key, "ensemble-member", i)
+    again = engine.init(net, optim.sgd(0.1), seed=7, strategy=ens)
+    assert digest(again) == digest(state)
+    assert digest(engine.init(net, optim.sgd(0.1), seed=8, strategy=ens)) != digest(state)
+
+
+def test_meta_template_and_init_fn():
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    ens = hardware.ensemble(2)
+    state = engine.init(meta, optim.sgd(0.1), seed=0, strategy=ens)
+    real = engine.init(mlp(), optim.sgd(0.1), seed=0, strategy=ens)
+    tree.assert_trees_equal(state.params, real.params)
+
+    def init_fn(module):
+        for p in module.parameters():
+            p.normal_()
+
+    custom = engine.init(meta, optim.sgd(0.1), seed=0, strategy=ens, init_fn=init_fn)
+    assert not torch.equal(custom.params["0.weight"][0], custom.params["0.weight"][1])
+
+
+# --------------------------------------------------------------------------- randomness
+
+
+def test_dropout_masks_differ_across_members_and_are_deterministic():
+    net = mlp(dropout=0.5)
+    opt = optim.sgd(0.1)
+    ens = hardware.ensemble(4)
+    one = hardware.member(engine.init(net, opt, seed=0, strategy=ens), 0)
+    start = hardware.stack([one] * 4, key=rng.key(3))  # identical members
+    step = engine.train_step(net, loss_fn, opt, strategy=ens)
+    batch = batches(1)[0]
+    before = digest(start)
+    new, out = step(start, batch)
+    assert digest(start) == before  # pure
+    assert len(set(out.loss.tolist())) == 4  # each member drew its own mask
+    again, out2 = step(start, batch)
+    assert digest((again, out2)) == digest((new, out))
+    _, out3 = step(new, batch)
+    assert not torch.equal(out3.loss, step(new.replace(rng=rng.key(4)), batch)[1].loss)
+    no_dropout = copy.deepcopy(net)
+    no_dropout[2].p = 0.0
+    plain = engine.train_step(no_dropout, loss_fn, opt, strategy=ens)(start, batch)[1]
+    assert len(set(plain.loss.tolist())) == 1
+
+
+# --------------------------------------------------------------------------- hyper-parameters
+
+
+def test_lr_sweep_matches_separate_runs_bitwise():
+    lrs = [1e-3, 3e-2, 1e-3, 1e-2]  # equal values share an optimizer call; order is kept
+    opt = optim.inject_hyperparams(optim.adam)(lr=1e-3)
+    net, data = mlp(), batches(3)
+    ens = hardware.ensemble(4, hparams={"lr": lrs})
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    assert start.opt_state.hyperparams["lr"].tolist() == lrs
+    state, _ = train(engine.train_step(net, loss_fn, opt, strategy=ens), start, data)
+    for i, lr in enumerate(lrs):
+        alone = hardware.member(start, i)
+        assert float(alone.opt_state.hyperparams["lr"]) == lr
+        solo_opt = optim.adam(lr)
+        solo_state = alone.replace(opt_state=solo_opt.init(alone.params))
+        solo_state, _ = train(engine.train_step(net, loss_fn, solo_opt), solo_state, data)
+        m = hardware.member(state, i)
+        tree.assert_trees_equal(m.params, solo_state.params)
+        tree.assert_trees_equal(m.opt_state.inner_state, solo_state.opt_state)
+        assert float(m.opt_state.hyperparams["lr"]) == lr
+
+
+def test_tuple_hyperparameter_and_schedules():
+    opt = optim.inject_hyperparams(optim.adam)(
+        lr=optim.schedules.linear(1e-2, 0.0, 10), betas=(0.9, 0.99)
+    )
+    betas = [(0.9, 0.99), (0.5, 0.9)]
+    ens = hardware.ensemble(2, hparams={"betas": betas})
+    net, data = mlp(), batches(2)
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    state, _ = train(engine.train_step(net, loss_fn, opt, strategy=ens), start, data)
+    hp = state.opt_state.hyperparams
+    assert hp["lr"].shape == (2,) and hp["lr"][0] == hp["lr"][1]  # the schedule, per member
+    for i in range(2):
+        solo_opt = optim.inject_hyperparams(optim.adam)(
+            lr=optim.schedules.linear(1e-2, 0.0, 10), betas=betas[i]
+        )
+        alone = hardware.member(start, i)
+        solo, _ = train(engine.train_step(net, loss_fn, solo_opt), alone, data)
+        tree.assert_trees_equal(hardware.member(state, i), solo)
+
+
+def random_members(k: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(k)
+    return [
+        {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g)} for _ in range(k)
+    ]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    choice=st.lists(st.integers(0, 2), min_size=1, max_size=5),
+    momentum=st.sampled_from([0.0, 0.9]),
+)
+def test_grouped_optimizer_step_equals_per_member_steps(choice, momentum):
+    """Property: however the per-member values group, each member steps as it would alone."""
+    values = [1e-3, 5e-2, 1.0]
+    k = len(choice)
+    tx = optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=momentum)
+    members = random_members(k)
+    grads = [
+        {n: torch.full_like(t, float(i + 1)) * t for n, t in m.items()}
+        for i, m in enumerate(members)
+    ]
+    params = {n: torch.stack([m[n] for m in members]) for n in members[0]}
+    stacked_grads = {n: torch.stack([g[n] for g in grads]) for n in members[0]}
+    lrs = [values[c] for c in choice]
+    state = member_optim.set_hyperparameters(
+        tx.init(params), {"lr": lrs, "momentum": [momentum] * k}
+    )
+    for _ in range(2):
+        params, state = member_optim.step(tx, stacked_grads, state, params)
+    assert state.count == 2 and state.hyperparams["lr"].tolist() == lrs
+    for i, c in enumerate(choice):
+        solo = optim.sgd(values[c], momentum=momentum)
+        ref, ref_state = members[i], solo.init(members[i])
+        for _ in range(2):
+            ref, ref_state = optim.step(solo, grads[i], ref_state, ref)
+        tree.assert_trees_equal({n: t[i] for n, t in params.items()}, ref)
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+def test_per_member_clipping_matches_clip_by_global_norm():
+    net, data = mlp(), batches(3)
+    ens = hardware.ensemble(K, clip_grad_norm=0.3)
+    opt = optim.sgd(0.1)
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    state, outs = train(engine.train_step(net, loss_fn, opt, strategy=ens), start, data)
+    assert (outs[0].grad_norm > 0.3).any()  # clipping is active
+    solo_opt = optim.chain(optim.clip_by_global_norm(0.3), optim.sgd(0.1))
+    for i in range(K):
+        alone = hardware.member(start, i)
+        solo, _ = train(
+            engine.train_step(net, loss_fn, solo_opt),
+            alone.replace(opt_state=solo_opt.init(alone.params)),
+            data,
+        )
+        tree.assert_trees_equal(hardware.member(state, i).params, solo.params)
+
+
+def test_optimizer_that_mixes_members_is_refused():
+    net = mlp()
+    ens = hardware.ensemble(K)
+    for opt in (
+        optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1)),
+        optim.chain(optim.masked(optim.add_decayed_weights(0.1), optim.decay_mask), optim.sgd(0.1)),
+    ):
+        start = engine.init(net, opt, seed=0, strategy=ens)
+        step = engine.train_step(net, loss_fn, opt, strategy=ens)
+        with pytest.raises(ValueError, match="does not update ensemble members independently"):
+            step(start, batches(1)[0])
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
+    unchecked = hardware.ensemble(K, check_optimizer=False)
+    start = engine.init(net, opt, seed=0, strategy=unchecked)
+    engine.train_step(net, loss_fn, opt, strategy=unchecked)(start, batches(1)[0])
+
+
+def test_member_norms_are_bitwise_the_separate_global_norms():
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        "a": torch.randn(5, 7, 3, generator=g) * 100,
+        "b": torch.randn(5, 2, generator=g),
+        "c": torch.randn(5, generator=g),
+    }
+    norms = member_optim.member_norms(grads)
+    for i in range(5):
+        assert torch.equal(norms[i], tree.global_norm({n: t[i] for n, t in grads.items()}))
+
+
+# --------------------------------------------------------------------------- state helpers
+
+
+def test_member_and_stack_round_trip_and_interop():
+    net, opt = mlp(batchnorm=True), optim.adam(1e-2)
+    ens = hardware.ensemble(K)
+    state, _ = train(
+        engine.train_step(net, loss_fn, opt, strategy=ens),
+        engine.init(net, opt, seed=0, strategy=ens),
+        batches(2),
+    )
+    members = [hardware.member(state, i) for i in range(K)]
+    assert not hardware.is_ensemble(members[0]) and hardware.is_ensemble(state)
+    tree.assert_trees_equal(hardware.stack(members, key=state.rng), state)
+    for i, m in enumerate(members):
+        tree.assert_trees_equal(hardware.member(hardware.stack(members), i), m)
+        weights = checkpoint.export_state_dict(m, net)
+        assert torch.equal(weights["0.weight"], state.params["0.weight"][i])
+        assert weights["0.weight"].untyped_storage().nbytes() == 16 * 8 * 4  # a copy, not a view
+    engine.train_step(net, loss_fn, opt)(members[1], batches(1)[0])  # an ordinary state
+    assert hardware.member(state, -1).rng == members[-1].rng
+
+
+def test_stack_and_member_errors():
+    net, opt = mlp(), optim.adam(1e-2)
+    a = engine.init(net, opt, seed=0)
+    b = engine.train_step(net, loss_fn, opt)(a, batches(1)[0])[0]
+    with pytest.raises(ValueError, match="disagree on progress"):
+        hardware.stack([a, b])
+    with pytest.raises(ValueError, match="at least one"):
+        hardware.stack([])
+    c = engine.init(nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3)), opt, seed=0)
+    with pytest.raises(ValueError, match="cannot stack"):
+        hardware.stack([a, c])
+    ens_state = hardware.stack([a, a])
+    with pytest.raises(ValueError, match="already an ensemble"):
+        hardware.stack([ens_state])
+    with pytest.raises(TypeError, match="expected an ensemble state"):
+        hardware.member(a, 0)
+    with pytest.raises(IndexError, match="out of range"):
+        hardware.member(ens_state, 2)
+
+
+def test_checkpoint_round_trip_and_bitwise_resume(tmp_path):
+    net, data = mlp(dropout=0.2, batchnorm=True), batches(4)
+    opt = optim.inject_hyperparams(optim.adam)(lr=1e-2)
+    ens = hardware.ensemble(K, hparams={"lr": [1e-2, 3e-3, 1e-3]})
+    step = engine.train_step(net, loss_fn, opt, strategy=ens)
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    continuous, _ = train(step, start, data)
+    half, _ = train(step, start, data[:2])
+    url = str(tmp_path / "ens.ckpt")
+    checkpoint.save(half, url)
+    loaded, _ = checkpoint.load(url, target=start)
+    tree.assert_trees_equal(loaded, half)
+    resumed, _ = train(engine.train_step(net, loss_fn, opt, strategy=ens), loaded, data[2:])
+    tree.assert_trees_equal(resumed, continuous)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("k", [0, -2, 2.0, True, "3"])
+def test_bad_k(k):
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        hardware.ensemble(k)
+
+
+@pytest.mark.parametrize(
+    ("hparams", "error", "match"),
+    [
+        ({"lr": [1e-3, 1e-2]}, ValueError, "has 2 values for an ensemble of 3"),
+        ({"lr": 1e-3}, TypeError, "must be a list of 3 values"),
+        ([1e-3] * 3, TypeError, "must be a dict"),
+        ({"lr": [1e-3, "x", 1e-2]}, ValueError, "finite numbers"),
+        ({"lr": [1e-3, float("nan"), 1e-2]}, ValueError, "finite numbers"),
+        ({1: [1e-3] * 3}, TypeError, "names must be strings"),
+    ],
+)
+def test_bad_hparams(hparams, error, match):
+    with pytest.raises(error, match=match):
+        hardware.ensemble(3, hparams=hparams)
+
+
+def test_hparams_the_optimizer_does_not_inject():
+    with pytest.raises(ValueError, match=r"\['lr'\] are not hyper-parameters"):
+        engine.init(mlp(), optim.adam(1e-3), strategy=hardware.ensemble(2, hparams={"lr": [1, 2]}))
+    opt = optim.inject_hyperparams(optim.adam)(lr=1e-3, betas=(0.9, 0.999))
+    with pytest.raises(ValueError, match="tuple of 2 numbers per member"):
+        engine.init(mlp(), opt, strategy=hardware.ensemble(2, hparams={"betas": [0.9, 0.8]}))
+
+
+def test_per_member_values_for_a_scheduled_hyperparameter_are_refused():
+    opt = optim.inject_hyperparams(optim.sgd)(lr=optim.schedules.linear(0.1, 0.0, 10))
+    ens = hardware.ensemble(2, hparams={"lr": [0.1, 0.2]})
+    net = mlp()
+    state = engine.init(net, opt, strategy=ens)
+    with pytest.raises(ValueError, match="recomputes it every step"):
+        engine.train_step(net, loss_fn, opt, strategy=ens)(state, batches(1)[0])
+
+
+def test_other_bad_input():
+    with pytest.raises(ValueError, match="scales the loss"):
+        hardware.ensemble(2, hardware.single_device("cpu", precision="16-mixed"))
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        hardware.ensemble(2, clip_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="base must be a Strategy"):
+        hardware.ensemble(2, base="cpu")
+    net, opt = mlp(), optim.sgd(0.1)
+    step = engine.train_step(net, loss_fn, opt, strategy=hardware.ensemble(2))
+    with pytest.raises(TypeError, match="this step trains an ensemble"):
+        step(engine.init(net, opt), batches(1)[0])
+    with pytest.raises(ValueError, match="the state has 3 members"):
+        step(engine.init(net, opt, strategy=hardware.ensemble(3)), batches(1)[0])
