@@ -548,6 +548,8 @@ class Trainer:
         )
         driver = self._driver_for("fit", task, net)
         driver.elapsed_offset = elapsed
+        if url is not None:
+            driver.extra["resumed_from"] = url
         for message in schedule.startup_messages(config):
             driver.say(message)
         if has_val_data and not task.has("validation_step"):

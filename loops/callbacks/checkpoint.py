@@ -188,6 +188,12 @@ class ModelCheckpoint(Callback):
             version += 1
         return path
 
+    @staticmethod
+    def _removable(old: str | None, new: str, ctx: Context) -> bool:
+        """Whether ``old`` may be deleted now: not the file being written, and not the
+        checkpoint this run resumed from (``ctx.extra["resumed_from"]``)."""
+        return bool(old) and old != new and old != ctx.extra.get("resumed_from")
+
     def _request_save(self, path: str) -> Requests:
         if self.save_weights_only:
             return Requests(save_weights=(path,))
@@ -204,7 +210,7 @@ class ModelCheckpoint(Callback):
             previous = state["best_model_path"]
             path = self._path(state, ctx, self.format_name(metrics), previous)
             requests = self._request_save(path)
-            if self.save_top_k == 1 and previous and previous != path:
+            if self.save_top_k == 1 and self._removable(previous, path, ctx):
                 requests = requests | Requests(remove=(previous,))
             state["best_model_path"] = path
             return self._saved(state, ctx, path), requests
@@ -250,7 +256,7 @@ class ModelCheckpoint(Callback):
         state["best_model_score"] = best_k[state["best_model_path"]]
         state["best_k_models"] = best_k
         requests = self._request_save(path)
-        if evicted and evicted != path:
+        if self._removable(evicted, path, ctx):
             requests = requests | Requests(remove=(evicted,))
         if self.verbose:
             requests = requests | Requests(
@@ -275,7 +281,7 @@ class ModelCheckpoint(Callback):
         else:
             requests = self._request_save(path)
             state = self._saved(state, ctx, path)
-        if previous and previous != path:
+        if self._removable(previous, path, ctx):
             requests = requests | Requests(remove=(previous,))
         return state, requests
 

@@ -1,0 +1,158 @@
+"""Checkpointing through the Trainer: where files go, ckpt_path, weights, async, links."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+from engine import checkpoint, optim, tree
+from loops import Trainer
+from loops.callbacks import ModelCheckpoint
+from loops.loggers import CSVLogger
+from tests.helpers import mlp
+
+
+def _data(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _loss(apply, batch):
+    x, y = batch
+    return F.cross_entropy(apply(x), y)
+
+
+def _trainer(root, **flags):
+    flags.setdefault("max_epochs", 3)
+    flags.setdefault("enable_progress_bar", False)
+    flags.setdefault("enable_model_summary", False)
+    flags.setdefault("logger", CSVLogger(root))
+    return Trainer(default_root_dir=root, **flags)
+
+
+def _fit(trainer, **kwargs):
+    return trainer.fit(
+        mlp(),
+        _loss,
+        optim.adam(1e-2),
+        DataLoader(_data(), batch_size=8, shuffle=True),
+        DataLoader(_data(16, 1), batch_size=8),
+        **kwargs,
+    )
+
+
+def test_the_default_checkpoint_goes_to_the_loggers_run_folder(tmp_path):
+    trainer = _trainer(str(tmp_path))
+    state = _fit(trainer)
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert [p.name for p in folder.iterdir()] == ["epoch=2-step=12.ckpt"]
+    assert trainer.best_model_path == str(folder / "epoch=2-step=12.ckpt")
+    loaded, meta = checkpoint.load(trainer.best_model_path)
+    tree.assert_trees_equal(loaded.params, state.params)
+    assert meta["fn"] == "fit" and meta["flags"]["max_epochs"] == 3 and meta["elapsed"] > 0
+
+
+def test_checkpointing_can_be_switched_off_but_not_half_way(tmp_path):
+    trainer = _trainer(str(tmp_path), enable_checkpointing=False)
+    _fit(trainer)
+    assert not list(tmp_path.rglob("*.ckpt"))
+    with pytest.raises(ValueError, match="enable_checkpointing=False"):
+        _trainer(str(tmp_path), enable_checkpointing=False, callbacks=[ModelCheckpoint()])
+
+
+def test_test_with_the_best_checkpoint_uses_its_weights(tmp_path):
+    best = ModelCheckpoint(monitor="val_loss", save_top_k=1)
+    trainer = _trainer(str(tmp_path), callbacks=[best], max_epochs=4)
+    state = _fit(trainer)
+    path = trainer.best_model_path
+    weights, _ = checkpoint.load(path)
+    by_best = trainer.test(
+        state, DataLoader(_data(16, 1), batch_size=8), ckpt_path="best", verbose=False
+    )
+    by_state = trainer.test(weights, DataLoader(_data(16, 1), batch_size=8), verbose=False)
+    assert by_best == by_state
+    assert (
+        trainer.test(state, DataLoader(_data(16, 1), batch_size=8), ckpt_path=path, verbose=False)
+        == by_best
+    )
+
+
+def test_ckpt_path_best_is_refused_for_fit_and_last_starts_fresh_without_checkpoints(tmp_path):
+    messages = []
+    trainer = _trainer(str(tmp_path))
+    trainer._printer = messages.append
+    with pytest.raises(ValueError, match="not fit"):
+        _fit(trainer, ckpt_path="best")
+    state = _fit(_trainer(str(tmp_path / "fresh")), ckpt_path=None)
+    trainer = _trainer(str(tmp_path / "fresh2"))
+    trainer._printer = messages.append
+    again = _fit(trainer, ckpt_path="last")
+    assert any("no checkpoint yet: starting fresh" in m for m in messages)
+    tree.assert_trees_equal(again.params, state.params)
+
+
+def test_resuming_from_a_path_continues_and_a_wrong_model_is_refused(tmp_path):
+    trainer = _trainer(str(tmp_path), max_epochs=1)
+    _fit(trainer)
+    path = trainer.best_model_path
+    longer = _trainer(str(tmp_path), max_epochs=2)
+    state = _fit(longer, ckpt_path=path)
+    assert state.progress.epoch == 2 and state.progress.step == 8
+    other = _trainer(str(tmp_path), max_epochs=2)
+    with pytest.raises(checkpoint.CheckpointError, match=r"(?s)params: .*shape \(16,\) in the checkpoint, \(5,\) in the target"):
+        other.fit(
+            torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)),
+            _loss,
+            optim.adam(1e-2),
+            DataLoader(_data(), batch_size=8),
+            ckpt_path=path,
+        )
+
+
+def test_save_checkpoint_and_weights_only_files(tmp_path):
+    trainer = _trainer(str(tmp_path), enable_checkpointing=False)
+    state = _fit(trainer)
+    trainer.save_checkpoint(str(tmp_path / "full.ckpt"))
+    trainer.save_checkpoint(str(tmp_path / "weights.ckpt"), weights_only=True)
+    full, _ = checkpoint.load(str(tmp_path / "full.ckpt"))
+    tree.assert_trees_equal(full, state)
+    weights, meta = checkpoint.load(str(tmp_path / "weights.ckpt"))
+    assert meta["weights_only"] and set(weights) == {"weights_only", "params", "buffers"}
+    with pytest.raises(checkpoint.CheckpointError, match="weights only and cannot resume"):
+        _fit(_trainer(str(tmp_path)), ckpt_path=str(tmp_path / "weights.ckpt"))
+    net = mlp()
+    fresh = engine.init(net, optim.sgd(0.1))
+    loaded = checkpoint.load_weights(fresh, checkpoint.export_state_dict(state, net), net)
+    tree.assert_trees_equal(loaded.params, state.params)
+
+
+def test_async_checkpointing_writes_the_same_states(tmp_path):
+    sync_cb = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
+    async_cb = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
+    _fit(_trainer(str(tmp_path / "sync"), callbacks=[sync_cb]))
+    _fit(_trainer(str(tmp_path / "async"), callbacks=[async_cb], async_checkpoint=True))
+    names = sorted(p.name for p in (tmp_path / "sync").rglob("*.ckpt"))
+    assert names == sorted(p.name for p in (tmp_path / "async").rglob("*.ckpt"))
+    assert len(names) == 6
+    for name in names:
+        a, _ = checkpoint.load(str(next((tmp_path / "sync").rglob(name))))
+        b, _ = checkpoint.load(str(next((tmp_path / "async").rglob(name))))
+        a_cb, b_cb = a.callbacks.pop("ModelCheckpoint"), b.callbacks.pop("ModelCheckpoint")
+        tree.assert_trees_equal(a, b)  # the callback's paths name each run's own folder
+        assert os.path.basename(a_cb["last_checkpoint_saved"]) == name
+
+
+def test_save_last_link_points_at_the_latest_checkpoint(tmp_path):
+    cb = ModelCheckpoint(every_n_train_steps=4, save_top_k=-1, save_last="link")
+    _fit(_trainer(str(tmp_path), callbacks=[cb]))
+    last = next(tmp_path.rglob("last.ckpt"))
+    assert last.is_symlink()
+    assert os.readlink(last) == "epoch=2-step=12.ckpt"
+    loaded, _ = checkpoint.load(str(last))
+    assert loaded.progress.step == 12
