@@ -105,7 +105,8 @@ def test_resuming_from_a_path_continues_and_a_wrong_model_is_refused(tmp_path):
     state = _fit(longer, ckpt_path=path)
     assert state.progress.epoch == 2 and state.progress.step == 8
     other = _trainer(str(tmp_path), max_epochs=2)
-    with pytest.raises(checkpoint.CheckpointError, match=r"(?s)params: .*shape \(16,\) in the checkpoint, \(5,\) in the target"):
+    mismatch = r"(?s)params: .*shape \(16,\) in the checkpoint, \(5,\) in the target"
+    with pytest.raises(checkpoint.CheckpointError, match=mismatch):
         other.fit(
             torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)),
             _loss,
@@ -146,6 +147,7 @@ def test_async_checkpointing_writes_the_same_states(tmp_path):
         a_cb, b_cb = a.callbacks.pop("ModelCheckpoint"), b.callbacks.pop("ModelCheckpoint")
         tree.assert_trees_equal(a, b)  # the callback's paths name each run's own folder
         assert os.path.basename(a_cb["last_checkpoint_saved"]) == name
+        assert os.path.basename(b_cb["last_checkpoint_saved"]) == name
 
 
 def test_save_last_link_points_at_the_latest_checkpoint(tmp_path):
