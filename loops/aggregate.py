@@ -8,7 +8,8 @@ evaluation, weighted by batch size). Wrap a value in ``log(value, on_step=..., o
 reduce=..., prog_bar=..., logger=...)`` to choose. A value may be a number, a scalar tensor
 or an ``engine.metrics`` metric (e.g. ``Accuracy.of(logits, y)``), which merges exactly.
 When both ``on_step`` and ``on_epoch`` are set the names fork into ``<name>_step`` and
-``<name>_epoch``. The training loss is logged as ``train_loss`` per step; to log it otherwise,
+``<name>_epoch``. A 1-D tensor (one value per member of an ensemble) is logged per element as
+``<name>/<i>`` and as the mean of its elements under ``<name>``. The training loss is logged as ``train_loss`` per step; to log it otherwise,
 return it among the metrics too: ``return loss, {"loss": log(loss, on_epoch=True)}``.
 
 The epoch accumulators are ``engine.metrics`` pytrees kept in the training state, so a run
@@ -134,7 +135,16 @@ def resolve(values: Mapping[str, Any], stage: str) -> dict[str, tuple[MetricSpec
             prog_bar=prog_bar,
             logger=opts.logger if opts else True,
         )
-        out[_full_name(name, stage)] = (spec, raw)
+        full = _full_name(name, stage)
+        if isinstance(raw, torch.Tensor) and raw.dim() == 1 and raw.numel() > 1:
+            # one value per ensemble member: each member's, and their mean under the name
+            values = raw.detach()
+            out[full] = (spec, values.mean())
+            member_spec = spec.replace(prog_bar=False) if spec.prog_bar else spec
+            for i, value in enumerate(values):
+                out[f"{full}/{i}"] = (member_spec, value)
+            continue
+        out[full] = (spec, raw)
     return out
 
 

@@ -92,3 +92,29 @@ def test_an_ensemble_runs_the_same_code_and_each_member_matches_a_single_run():
         tree.assert_trees_close(
             hardware.member(state, i).params, alone.params, rtol=1e-5, atol=1e-6
         )
+
+
+def test_the_trainer_runs_an_ensemble_and_logs_every_member():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from loops import Trainer
+    from loops.loggers import MemoryLogger
+
+    logger = MemoryLogger()
+    trainer = Trainer(
+        max_epochs=2,
+        strategy=hardware.ensemble(3),
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    x, y = _dataset()
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    state = trainer.fit(mlp(seed=0), loss_fn, optim.adam(1e-2), loader, loader)
+    (result,) = trainer.test(state, loader, verbose=False)
+    members = [result[f"test_loss/{i}"] for i in range(3)]
+    assert result["test_loss"] == pytest.approx(sum(members) / 3, rel=1e-6)
+    assert len(set(members)) == 3  # independent members
+    step_rows = [row for _, row in logger.metrics if "train_loss/2" in row]
+    assert len(step_rows) == state.progress.step
