@@ -8,9 +8,10 @@ evaluation, weighted by batch size). Wrap a value in ``log(value, on_step=..., o
 reduce=..., prog_bar=..., logger=...)`` to choose. A value may be a number, a scalar tensor
 or an ``engine.metrics`` metric (e.g. ``Accuracy.of(logits, y)``), which merges exactly.
 When both ``on_step`` and ``on_epoch`` are set the names fork into ``<name>_step`` and
-``<name>_epoch``. A 1-D tensor (one value per member of an ensemble) is logged per element as
-``<name>/<i>`` and as the mean of its elements under ``<name>``. The training loss is logged as ``train_loss`` per step; to log it otherwise,
-return it among the metrics too: ``return loss, {"loss": log(loss, on_epoch=True)}``.
+``<name>_epoch``. A 1-D tensor (one value per member of an ensemble) is logged per element
+as ``<name>/<i>`` and as the mean of its elements under ``<name>``. The training loss is
+logged as ``train_loss`` per step; to log it otherwise, return it among the metrics too:
+``return loss, {"loss": log(loss, on_epoch=True)}``.
 
 The epoch accumulators are ``engine.metrics`` pytrees kept in the training state, so a run
 resumed mid-epoch reports the same epoch averages as one never interrupted.

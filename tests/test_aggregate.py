@@ -93,7 +93,7 @@ def test_bad_values_and_options():
     with pytest.raises(TypeError, match="on_step"):
         log(1.0, on_step="yes")
     with pytest.raises(ValueError, match="one element"):
-        step_values(resolve({"v": torch.ones(3)}, "train"))
+        step_values(resolve({"v": torch.ones(2, 2)}, "train"))
     with pytest.raises(TypeError, match="cannot log a value of type str"):
         step_values(resolve({"v": "text"}, "train"))
     acc = accumulate({}, resolve({"v": log(1.0, reduce="sum")}, "test"), 1)
@@ -124,3 +124,15 @@ def test_epoch_mean_is_independent_of_grouping(batches, cut):
     expected = sum(v * n for v, n in batches) / sum(n for _, n in batches)
     assert torch.equal(a, b)
     assert float(a) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_vector_values_are_logged_per_member_and_as_their_mean():
+    resolved = resolve({"loss": torch.tensor([1.0, 2.0, 6.0])}, "train")
+    to_log, bar, _ = step_values(resolved)
+    assert {k: float(v) for k, v in to_log.items()} == {
+        "train_loss": 3.0,
+        "train_loss/0": 1.0,
+        "train_loss/1": 2.0,
+        "train_loss/2": 6.0,
+    }
+    assert set(bar) == {"train_loss"}  # the bar shows the mean only
