@@ -210,10 +210,7 @@ class TrainStep:
         strategy = self.strategy
         precision = strategy.precision
         progress = state.progress
-        accumulate = self.accumulate
-        k = accumulate if isinstance(accumulate, int) else _window_size(accumulate, progress)
-        micro = progress.micro_step
-        close = (micro + 1 >= k) if end_window is None else bool(end_window)
+        k, micro, close = self._window(progress, end_window)
         scaler = precision.scaler
         if scaler is not None and state.precision is None:
             raise ValueError(
@@ -242,29 +239,12 @@ class TrainStep:
                 params, buffers, batch, key, loss_scale, divisor
             )
 
-        if micro > 0 and state.grad_accum is not None:
-            acc = state.grad_accum
-            names = list(grads)
-            olds = [acc[n] for n in names]
-            news = list(grads.values())
-            if self.donate:
-                torch._foreach_add_(olds, news)
-                summed = olds
-            else:
-                summed = torch._foreach_add(olds, news)
-            grads = dict(zip(names, summed))
-
+        grads = self._accumulated(state, grads)
         n = _batch_size(batch)
         if not close:
-            new_progress = progress.replace(
-                batch_in_epoch=progress.batch_in_epoch + 1,
-                total_batches=progress.total_batches + 1,
-                samples=progress.samples + n,
-                micro_step=micro + 1,
+            return self._keep_open(
+                state, grads, new_buffers, StepOutput(loss, metrics, None, False, False), n
             )
-            new_state = state.replace(buffers=new_buffers, grad_accum=grads, progress=new_progress)
-            output = StepOutput(loss, metrics, None, False, False)
-            return new_state, Gradients(None, True, output, n)
 
         if strategy.world_size > 1:
             grads = strategy.all_reduce(grads, "mean")
@@ -276,6 +256,46 @@ class TrainStep:
         output = StepOutput(loss, metrics, None, True, not finite)
         state = state.replace(buffers=new_buffers, precision=precision_state)
         return state, Gradients(grads, finite, output, n)
+
+    def _window(self, progress: Progress, end_window: bool | None) -> tuple[int, int, bool]:
+        """``(micro-batches per window, position in the window, whether it closes now)``."""
+        accumulate = self.accumulate
+        k = accumulate if isinstance(accumulate, int) else _window_size(accumulate, progress)
+        micro = progress.micro_step
+        close = (micro + 1 >= k) if end_window is None else bool(end_window)
+        return k, micro, close
+
+    def _accumulated(self, state: TrainState, grads: dict[str, Any]) -> dict[str, Any]:
+        """``grads`` added to the open window's sum (in place on it when donating)."""
+        acc = state.grad_accum
+        if state.progress.micro_step == 0 or acc is None:
+            return grads
+        names = list(grads)
+        olds = [acc[n] for n in names]
+        news = list(grads.values())
+        if self.donate:
+            torch._foreach_add_(olds, news)
+            return dict(zip(names, olds))
+        return dict(zip(names, torch._foreach_add(olds, news)))
+
+    def _keep_open(
+        self,
+        state: TrainState,
+        grads: dict[str, Any],
+        buffers: dict[str, Any],
+        output: StepOutput,
+        batch_size: int,
+    ) -> tuple[TrainState, Gradients]:
+        """The step of a micro-batch that leaves its accumulation window open."""
+        progress = state.progress
+        new_progress = progress.replace(
+            batch_in_epoch=progress.batch_in_epoch + 1,
+            total_batches=progress.total_batches + 1,
+            samples=progress.samples + batch_size,
+            micro_step=progress.micro_step + 1,
+        )
+        new_state = state.replace(buffers=buffers, grad_accum=grads, progress=new_progress)
+        return new_state, Gradients(None, True, output, batch_size)
 
     def apply(self, state: TrainState, grads: Gradients) -> tuple[TrainState, StepOutput]:
         """The second half of a step: the optimizer update on gradients from ``backward``.

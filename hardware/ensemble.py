@@ -73,7 +73,6 @@ from engine.step import (
     _detached,
     _loss_for_grad,
     _split_output,
-    _window_size,
 )
 from engine.strategy import Local, Strategy
 from engine.tree import NAMESPACE, leaves, struct
@@ -328,10 +327,7 @@ class EnsembleTrainStep(TrainStep):
             self._check(state)
         ens = self.ensemble
         progress = state.progress
-        accumulate = self.accumulate
-        k = accumulate if isinstance(accumulate, int) else _window_size(accumulate, progress)
-        micro = progress.micro_step
-        close = (micro + 1 >= k) if end_window is None else bool(end_window)
+        k, micro, close = self._window(progress, end_window)
 
         batch = ens.precision.convert_input(ens.place(batch))
         n = ens.batch_size(batch)
@@ -343,27 +339,10 @@ class EnsembleTrainStep(TrainStep):
         compute = self._grads_autograd if self.grad == "autograd" else self._grads_func
         grads, loss, metrics, new_buffers = compute(state.params, buffers, batch, key, divisor)
 
-        if micro > 0 and state.grad_accum is not None:
-            acc = state.grad_accum
-            names = list(grads)
-            olds = [acc[name] for name in names]
-            if self.donate:
-                torch._foreach_add_(olds, list(grads.values()))
-                summed = olds
-            else:
-                summed = torch._foreach_add(olds, list(grads.values()))
-            grads = dict(zip(names, summed))
-
+        grads = self._accumulated(state, grads)
         if not close:
-            new_progress = progress.replace(
-                batch_in_epoch=progress.batch_in_epoch + 1,
-                total_batches=progress.total_batches + 1,
-                samples=progress.samples + n,
-                micro_step=micro + 1,
-            )
-            new_state = state.replace(buffers=new_buffers, grad_accum=grads, progress=new_progress)
             output = EnsembleStepOutput(loss, metrics, None, False, False)
-            return new_state, Gradients(None, True, output, n)
+            return self._keep_open(state, grads, new_buffers, output, n)
         if ens.world_size > 1:
             grads = ens.all_reduce(grads, "mean")
         output = EnsembleStepOutput(loss, metrics, None, True, False)

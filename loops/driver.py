@@ -291,6 +291,37 @@ class Driver:
         for hook in self.commit_hooks:
             hook(state, self)
 
+    # ------------------------------------------------------------------ stand-alone runs
+
+    def run(
+        self,
+        state: TrainState,
+        body: Callable[[TrainState], tuple[TrainState, Any]],
+        *,
+        interrupted: Any = None,
+    ) -> tuple[TrainState, Any]:
+        """A stand-alone stage (validate, test, predict): ``setup``, ``body``, ``teardown``,
+        with Lightning's interrupt handling and the loggers finalized. Returns ``(state,
+        result)``; after Ctrl-C the latest state and ``interrupted``."""
+        from .callbacks.base import init_states
+
+        state = init_states(self.callbacks, state)
+        self.status = "running"
+        try:
+            self.stage = None
+            state = self.fire("setup", state)
+            state, result = body(state)
+            state = self.fire("teardown", state)
+            self.commit(state)
+        except KeyboardInterrupt as exc:
+            return self.handle_exception(state, exc), interrupted
+        except BaseException as exc:
+            self.handle_exception(state, exc)
+            raise
+        self.status = "finished"
+        self.finalize("success")
+        return state, result
+
     # ------------------------------------------------------------------ failures
 
     def handle_exception(self, state: TrainState, exc: BaseException) -> TrainState:

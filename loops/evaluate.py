@@ -25,7 +25,6 @@ from engine.state import TrainState
 from engine.step import _batch_size
 
 from . import aggregate, loop_state, schedule
-from .callbacks.base import init_states
 from .driver import Driver
 from .events import Stage
 
@@ -183,27 +182,14 @@ def evaluate(
     if max_batches is None:
         stage_key = "val" if stage == Stage.VALIDATE else "test"
         max_batches = schedule.eval_batches(config, stage_key, [_length(s) for s in sources])
-    state = init_states(driver.callbacks, state)
-    driver.status = "running"
     driver.logger_step = state.progress.step
-    results: list[dict[str, float]] = []
-    try:
-        driver.stage = None
-        state = driver.fire("setup", state)
-        state, results = run_evaluation(
-            state, step, sources, stage=stage, driver=driver, max_batches=max_batches
-        )
-        state = driver.fire("teardown", state)
-        driver.commit(state)
-    except KeyboardInterrupt as exc:
-        state = driver.handle_exception(state, exc)
-        return state, []
-    except BaseException as exc:
-        driver.handle_exception(state, exc)
-        raise
-    driver.status = "finished"
-    driver.finalize("success")
-    return state, results
+    return driver.run(
+        state,
+        lambda s: run_evaluation(
+            s, step, sources, stage=stage, driver=driver, max_batches=max_batches
+        ),
+        interrupted=[],
+    )
 
 
 def validate(

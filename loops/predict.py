@@ -14,7 +14,6 @@ from engine.state import TrainState
 from engine.tree import map as tree_map
 
 from . import schedule
-from .callbacks.base import init_states
 from .driver import Driver
 from .evaluate import _length
 from .events import Stage
@@ -120,23 +119,10 @@ def predict(
     sources = as_list(data)
     if max_batches is None:
         max_batches = schedule.eval_batches(config, "predict", [_length(s) for s in sources])
-    state = init_states(driver.callbacks, state)
-    driver.status = "running"
-    outputs: list[list[Any]] = []
-    try:
-        driver.stage = None
-        state = driver.fire("setup", state)
-        state, outputs = run_prediction(
-            state, step, sources, driver=driver, max_batches=max_batches, to_cpu=to_cpu, keep=keep
-        )
-        state = driver.fire("teardown", state)
-        driver.commit(state)
-    except KeyboardInterrupt as exc:
-        state = driver.handle_exception(state, exc)
-        return state, []
-    except BaseException as exc:
-        driver.handle_exception(state, exc)
-        raise
-    driver.status = "finished"
-    driver.finalize("success")
-    return state, outputs
+    return driver.run(
+        state,
+        lambda s: run_prediction(
+            s, step, sources, driver=driver, max_batches=max_batches, to_cpu=to_cpu, keep=keep
+        ),
+        interrupted=[],
+    )
