@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import datetime
 import difflib
+import functools
 import math
 import numbers
 import re
@@ -423,3 +424,9 @@ def _normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     if out["min_epochs"] is None:
         out["min_epochs"] = 1 if out["min_steps"] is not None else 0
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def default_config() -> LoopConfig:
+    """Lightning's defaults, for code that runs without a config (built once)."""
+    return LoopConfig()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,12 +30,13 @@ from engine.state import TrainState
 
 from . import loop_state
 from .callbacks.base import Callback
-from .events import Context, Requests, Stage, _overrides, dispatch
+from .events import Context, Requests, Stage, dispatch, handlers_for
 
-__all__ = ["Driver"]
+__all__ = ["Driver", "print_message"]
 
 
-def _print_message(text: str) -> None:
+def print_message(text: str) -> None:
+    """Show a line on stderr without breaking a progress bar."""
     from tqdm import tqdm
 
     tqdm.write(text, file=sys.stderr)
@@ -46,7 +48,8 @@ class Driver:
     ``fn``: the entry point ("fit", "validate", "test", "predict"). ``checkpointer(state,
     path, driver)`` writes a checkpoint (the Trainer passes one that writes atomically with
     metadata); without one, save requests are an error. ``remover(path)`` / ``linker(target,
-    link)`` carry out remove and link requests (primary process only). ``exists`` tells
+    link)`` carry out remove and link requests (primary process only); ``flush()`` waits for
+    asynchronous writes (called before removals and links). ``exists`` tells
     callbacks whether a file exists. ``printer`` shows messages; ``clock`` is the time source
     of ``elapsed()`` (inject a fake one in tests). ``extra`` is merged into every context's
     ``extra`` (the loops add ``"model"``, the module template, and ``"num_loggers"``).
@@ -69,8 +72,9 @@ class Driver:
         checkpointer: Callable[[TrainState, str, Driver], None] | None = None,
         remover: Callable[[str], None] | None = None,
         linker: Callable[[str, str], None] | None = None,
+        flush: Callable[[], None] | None = None,
         exists: Callable[[str], bool] | None = None,
-        printer: Callable[[str], None] = _print_message,
+        printer: Callable[[str], None] = print_message,
         clock: Callable[[], float] = time.monotonic,
         elapsed_offset: float = 0.0,
         extra: Mapping[str, Any] | None = None,
@@ -85,6 +89,7 @@ class Driver:
         self.checkpointer = checkpointer
         self.remover = remover
         self.linker = linker
+        self.flush = flush
         self.exists = exists
         self.printer = printer
         self.clock = clock
@@ -93,6 +98,7 @@ class Driver:
         self.stage: str | None = None
         self.status = "initializing"
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self._bar_view = types.MappingProxyType(self.progress_bar_metrics)
         self.pending: list[Requests] = []
         self.logger_step = 0
         self.last_commit: TrainState | None = None
@@ -112,15 +118,29 @@ class Driver:
     @callbacks.setter
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
         self._callbacks = tuple(callbacks)
-        self._handled: dict[str, bool] = {}
+        self._handlers: dict[str, list[Callback]] = {}
+        self._watchers: dict[str, list[Any]] = {}
+
+    def handlers(self, event: str) -> list[Callback]:
+        """The callbacks that handle ``event``, in dispatch order (cached per event)."""
+        found = self._handlers.get(event)
+        if found is None:
+            found = self._handlers[event] = handlers_for(event, self._callbacks)
+        return found
 
     def handles(self, event: str) -> bool:
-        """Whether any callback handles ``event`` (cached; events nobody handles and no
-        observer watches cost no context)."""
-        handled = self._handled.get(event)
-        if handled is None:
-            handled = self._handled[event] = any(_overrides(cb, event) for cb in self._callbacks)
-        return handled
+        """Whether any callback handles ``event``."""
+        return bool(self.handlers(event))
+
+    def watchers(self, event: str) -> list[Any]:
+        """The observers interested in ``event`` (an observer's ``events`` attribute names
+        the events it watches; without one it watches all). Cached per event."""
+        found = self._watchers.get(event)
+        if found is None:
+            found = self._watchers[event] = [
+                o for o in self.observers if getattr(o, "events", None) is None or event in o.events
+            ]
+        return found
 
     @property
     def rank(self) -> int:
@@ -155,13 +175,13 @@ class Driver:
     def context(self, state: TrainState, **fields: Any) -> Context:
         """The read-only view of the loop that callbacks get (``fields`` fill the rest)."""
         loop = loop_state.get(state)
-        extra = {**self.extra, "progress_bar_metrics": dict(self.progress_bar_metrics)}
+        extra = {**self.extra, "progress_bar_metrics": self._bar_view}
         extra.update(fields.pop("extra", {}))
         return Context(
             stage=fields.pop("stage", self.stage),
             fn=self.fn,
             state=state,
-            metrics=loop.callback_metrics,
+            metrics=types.MappingProxyType(loop.callback_metrics),
             should_stop=loop.should_stop,
             elapsed=self.elapsed(),
             config=self.config,
@@ -174,13 +194,20 @@ class Driver:
         )
 
     def fire(self, event: str, state: TrainState, **fields: Any) -> TrainState:
-        """Announce ``event``: observers see it, callbacks handle it, requests are carried out."""
-        if not self.observers and not self.handles(event):
+        """Announce ``event``: observers see it, callbacks handle it, requests are carried out.
+
+        Events that no callback handles and no observer watches cost no context.
+        """
+        handlers = self.handlers(event)
+        watchers = self.watchers(event)
+        if not handlers and not watchers:
             return state
         ctx = self.context(state, **fields)
-        for observer in self.observers:
+        for observer in watchers:
             observer.on_event(event, ctx)
-        state, requests = dispatch(event, self.callbacks, state, ctx)
+        if not handlers:
+            return state
+        state, requests = dispatch(event, self.callbacks, state, ctx, handlers=handlers)
         if requests:
             state = self.carry_out(state, requests)
         return state
@@ -257,19 +284,31 @@ class Driver:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def commit(self, state: TrainState) -> None:
+    def commit(self, state: TrainState, *, hooks: bool = True) -> None:
         """Write the checkpoints requested since the last commit, then remove and link files.
 
         Called by the loops only at points they can resume from exactly (after a batch is
         fully processed, after an epoch ends), so every checkpoint holds such a state. The
-        state is remembered as ``last_commit``; then the ``commit_hooks`` run (preemption).
+        state is remembered as ``last_commit``; then the ``commit_hooks`` run (preemption;
+        not on the exception path, where they could wait on processes that are not there).
+        Removals and links wait until the queued writes are done (``flush``), so an evicted
+        checkpoint is never deleted before its replacement is on disk.
         Under several processes a point inside an open accumulation window is not a commit
-        point (each process holds its own partial gradients): the work waits for the next.
+        point (each process holds its own partial gradients): the work waits for the next;
+        and every process carries out rank 0's requests (callbacks may decide differently on
+        values that differ between processes, such as clocks and per-rank step metrics).
         """
         if self.world_size > 1 and state.progress.micro_step != 0:
             return
         self.last_commit = state
         pending, self.pending = self.pending, []
+        if self.world_size > 1:
+            # every process does rank 0's file work, so their barriers and states match
+            work = [(r.save, r.save_weights, r.remove, r.link) for r in pending]
+            work = self.strategy.broadcast_object(work, 0)
+            pending = [
+                Requests(save=a, save_weights=b, remove=c, link=d) for a, b, c, d in work
+            ]
         for requests in pending:
             paths = (*requests.save, *requests.save_weights)
             if paths and self.checkpointer is None:
@@ -281,6 +320,8 @@ class Driver:
                 self.checkpointer(state, path, self)
             for path in requests.save_weights:
                 self.checkpointer(_weights_only(state), path, self)
+        if pending and self.flush is not None:
+            self.flush()
         for requests in pending:
             for target, link in requests.link:
                 if self.linker is not None and self.is_primary:
@@ -288,8 +329,9 @@ class Driver:
             for path in requests.remove:
                 if self.remover is not None and self.is_primary:
                     self.remover(path)
-        for hook in self.commit_hooks:
-            hook(state, self)
+        if hooks:
+            for hook in self.commit_hooks:
+                hook(state, self)
 
     # ------------------------------------------------------------------ stand-alone runs
 
@@ -328,19 +370,23 @@ class Driver:
         """Lightning's interrupt handling: status "interrupted", ``on_exception`` for every
         callback, then the loggers finalized ("interrupted" for Ctrl-C, else "failed").
 
-        Files callbacks ask for at ``on_exception`` are written with the last committed
-        state (the latest one the loop can resume from exactly). After a failure other than
-        Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in Lightning. The
-        caller re-raises or returns; this returns the state after ``on_exception``.
+        The handlers see the last committed state — the latest one the loop can resume from
+        exactly — and the files they ask for are written with it (work queued by the batch
+        that failed is dropped: it described a state that was never committed). After a
+        failure other than Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in
+        Lightning. The caller re-raises or returns; this returns the last committed state
+        after ``on_exception`` (``state`` when nothing was committed yet).
         """
         interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
         self.status = "interrupted"
         if isinstance(exc, KeyboardInterrupt):
             self.say("Detected KeyboardInterrupt, attempting graceful shutdown ...")
+        base = self.last_commit if self.last_commit is not None else state
+        self.pending = []
         try:
-            state = self.fire("on_exception", state, exception=exc)
-            if self.pending and self.last_commit is not None:
-                self.commit(self.last_commit)
+            state = self.fire("on_exception", base, exception=exc)
+            if self.pending:
+                self.commit(state, hooks=False)
         finally:
             self.pending = []
             self.finalize("interrupted" if interrupted else "failed")

@@ -25,6 +25,7 @@ from engine.state import TrainState
 from engine.step import _batch_size
 
 from . import aggregate, loop_state, schedule
+from .data import length
 from .driver import Driver
 from .events import Stage
 
@@ -181,7 +182,7 @@ def evaluate(
     sources = as_list(data)
     if max_batches is None:
         stage_key = "val" if stage == Stage.VALIDATE else "test"
-        max_batches = schedule.eval_batches(config, stage_key, [_length(s) for s in sources])
+        max_batches = schedule.eval_batches(config, stage_key, [length(s) for s in sources])
     driver.logger_step = state.progress.step
     return driver.run(
         state,
@@ -211,11 +212,3 @@ def test(
 test.__test__ = False  # not a pytest test
 
 
-def _length(batches: Any) -> int | float:
-    n = getattr(batches, "num_batches", None)
-    if n is not None:
-        return n
-    try:
-        return len(batches)
-    except TypeError:
-        return float("inf")

@@ -11,6 +11,7 @@ through the training state and merges their requests, and the loop driver carrie
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ __all__ = [
     "Requests",
     "Stage",
     "dispatch",
+    "handlers_for",
+    "handles",
 ]
 
 
@@ -90,7 +93,7 @@ class Requests:
     """
 
     stop: bool = False
-    log: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    log: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
     save: tuple[str, ...] = ()
     save_weights: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
@@ -113,9 +116,18 @@ class Requests:
         )
 
     def __bool__(self) -> bool:
-        return any(bool(getattr(self, f.name)) for f in dataclasses.fields(self))
+        return bool(
+            self.stop
+            or self.log
+            or self.save
+            or self.save_weights
+            or self.remove
+            or self.link
+            or self.messages
+        )
 
 
+_EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 NOTHING = Requests()
 
 
@@ -173,44 +185,60 @@ class Context:
         return dataclasses.replace(self, **changes)
 
 
-def _overrides(callback: Any, event: str) -> bool:
-    """Whether ``callback`` handles ``event`` (so dispatch can skip the others cheaply)."""
+def handles(callback: Any, event: str) -> bool:
+    """Whether ``callback`` handles ``event``: its class overrides the base class's handler
+    (the base handlers do nothing, so the loops skip callbacks that keep them)."""
     from .callbacks.base import Callback
 
     impl = getattr(type(callback), event, None)
     return impl is not None and impl is not getattr(Callback, event, None)
 
 
+def handlers_for(event: str, callbacks: Sequence[Any]) -> list[Any]:
+    """The callbacks that handle ``event``, in the order they run: list order, except that at
+    ``on_train_epoch_end`` the "monitoring" callbacks (early stopping, checkpointing) run
+    after the others (the task's handler included), as in Lightning, so they see what the
+    others logged."""
+    found = [cb for cb in callbacks if handles(cb, event)]
+    if event == "on_train_epoch_end":
+        found.sort(key=lambda cb: bool(getattr(cb, "monitoring", False)))
+    return found
+
+
 def dispatch(
-    event: str, callbacks: Sequence[Any], state: TrainState, ctx: Context
+    event: str,
+    callbacks: Sequence[Any],
+    state: TrainState,
+    ctx: Context,
+    *,
+    handlers: Sequence[Any] | None = None,
 ) -> tuple[TrainState, Requests]:
     """Run ``event`` on every callback that handles it; thread their states; merge requests.
 
-    Handlers run in list order; at ``on_train_epoch_end`` the "monitoring" callbacks
-    (early stopping, checkpointing) run after the others (the task's handler included), as in
-    Lightning, so they see what the others logged.
+    ``handlers``: ``handlers_for(event, callbacks)`` when the caller has it cached.
     """
-    handlers = [cb for cb in callbacks if _overrides(cb, event)]
+    if handlers is None:
+        handlers = handlers_for(event, callbacks)
     if not handlers:
         return state, NOTHING
-    if event == "on_train_epoch_end":
-        handlers.sort(key=lambda cb: bool(getattr(cb, "monitoring", False)))
-    states = dict(state.callbacks)
     merged = NOTHING
     for cb in handlers:
         key = cb.key
+        states = state.callbacks
         if key not in states:
             raise KeyError(
                 f"callback {key!r} has no state in TrainState.callbacks; initialise the "
                 "callbacks' states with loops.callbacks.init_states(callbacks, state)"
             )
-        result = getattr(cb, event)(states[key], ctx.replace(state=state))
+        seen = ctx if ctx.state is state else ctx.replace(state=state)
+        result = getattr(cb, event)(states[key], seen)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Requests)):
             raise TypeError(
                 f"{type(cb).__name__}.{event} must return (state, Requests), got {result!r}"
             )
-        states[key], requests = result
-        merged = merged | requests
-        state = state.replace(callbacks=states)
-        states = dict(states)
+        new, requests = result
+        if new is not states[key]:
+            state = state.replace(callbacks={**states, key: new})
+        if requests is not NOTHING:
+            merged = merged | requests
     return state, merged

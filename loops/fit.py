@@ -25,8 +25,9 @@ from engine.state import TrainState
 
 from . import aggregate, loop_state, schedule
 from .callbacks.base import init_states
+from .data import length
 from .driver import Driver
-from .evaluate import _length, run_evaluation
+from .evaluate import run_evaluation
 from .events import Stage
 
 __all__ = ["FitLoop", "fit"]
@@ -100,6 +101,8 @@ class FitLoop:
         )
         self._told_min = False
         self._warned_few = False
+        if not self.enable_val:
+            driver.extra["num_val_batches"] = 0
         if self.train is not None:
             self._measure_train()
         if self.val is not None:
@@ -109,7 +112,7 @@ class FitLoop:
 
     def _measure_train(self) -> None:
         c = self.config
-        self.num_train = schedule.train_batches(c, _length(self.train))
+        self.num_train = schedule.train_batches(c, length(self.train))
         if self.enable_val:
             self.val_check_batch = schedule.val_check_batch(c, self.num_train)
         message = schedule.few_batches_warning(c, self.num_train, bool(self.driver.loggers))
@@ -118,8 +121,10 @@ class FitLoop:
             self._warned_few = True
 
     def _measure_val(self) -> None:
-        lengths = [_length(v) for v in self.val]
+        lengths = [length(v) for v in self.val]
         self.val_max = list(schedule.eval_batches(self.config, "val", lengths))
+        # checkpointing decides where to save from whether there is validation data
+        self.driver.extra["num_val_batches"] = sum(self.val_max) if self.enable_val else 0
 
     def _record(self, **changes: Any) -> None:
         loop = loop_state.get(self.state)
@@ -194,7 +199,8 @@ class FitLoop:
         try:
             self._run()
         except KeyboardInterrupt as exc:
-            self.state = drv.handle_exception(self.state, exc)
+            # the exception handlers see the last committed state; fit returns the latest
+            drv.handle_exception(self.state, exc)
             return self.state
         except BaseException as exc:
             drv.handle_exception(self.state, exc)
@@ -223,10 +229,10 @@ class FitLoop:
         drv.stage = None
         self._fire("setup")
         self._fire("on_fit_start")
-        if self.hparams:
-            drv.log_hyperparams(self.hparams)
         p = self.state.progress
         resumed = p.total_batches > 0 or p.epoch > 0 or p.step > 0
+        if self.hparams and not resumed:  # a resumed run's loggers have them already
+            drv.log_hyperparams(self.hparams)
         if schedule.should_run_sanity_check(
             c, enabled=self.enable_val, resumed=resumed, mid_epoch=p.batch_in_epoch > 0
         ):
@@ -257,7 +263,11 @@ class FitLoop:
         drv.commit(self.state)
 
     def _sanity_check(self) -> None:
+        """A few validation batches before training, to fail early. It leaves the callbacks'
+        states as it found them: a run resumed from an epoch-end checkpoint checks again
+        (Lightning's rule), and must still end exactly like the uninterrupted run."""
         drv = self.driver
+        before = self.state.callbacks
         drv.stage = Stage.SANITY_CHECK
         self._fire("on_sanity_check_start")
         self._ensure_val(self.state.progress.epoch, sanity=True)
@@ -270,6 +280,7 @@ class FitLoop:
             max_batches=schedule.sanity_batches(self.config, self.val_max),
         )
         self._fire("on_sanity_check_end")
+        self.state = self.state.replace(callbacks=before)
         drv.stage = None
 
     # ------------------------------------------------------------------ one epoch
@@ -372,7 +383,7 @@ class FitLoop:
             can_stop_early=schedule.can_stop_early(c, p.epoch, p.step),
         ):
             self._validate(epoch)
-        self._agree_on_stop()
+            self._agree_on_stop()  # validation callbacks (early stopping) may have asked
         drv.logger_step = self.state.progress.step
 
     def _agree_on_stop(self) -> None:

@@ -14,8 +14,8 @@ from engine.state import TrainState
 from engine.tree import map as tree_map
 
 from . import schedule
+from .data import length
 from .driver import Driver
-from .evaluate import _length
 from .events import Stage
 
 __all__ = ["predict", "run_prediction"]
@@ -118,7 +118,7 @@ def predict(
     driver.set_default_extra(model=getattr(step, "model", None), num_loggers=len(driver.loggers))
     sources = as_list(data)
     if max_batches is None:
-        max_batches = schedule.eval_batches(config, "predict", [_length(s) for s in sources])
+        max_batches = schedule.eval_batches(config, "predict", [length(s) for s in sources])
     return driver.run(
         state,
         lambda s: run_prediction(

@@ -40,7 +40,6 @@ __all__ = [
     "is_last_batch",
     "is_optimizer_step",
     "is_val_epoch",
-    "is_window_start",
     "limit_for",
     "logger_step",
     "num_batches",
@@ -53,7 +52,6 @@ __all__ = [
     "should_run_sanity_check",
     "should_validate",
     "startup_messages",
-    "time_limit_reached",
     "train_batches",
     "training_skipped",
     "val_check_batch",
@@ -370,10 +368,6 @@ def epoch_done(
     return Verdict(False)
 
 
-def time_limit_reached(config: LoopConfig, elapsed: float) -> bool:
-    """Whether ``max_time`` is used up after ``elapsed`` seconds of training (checked at fit
-    start and after every training batch; a hit is a stop request, so minimums still apply)."""
-    return config.max_time is not None and elapsed >= config.max_time
 
 
 def early_stopping_on_train_epoch_end(config: LoopConfig) -> bool:
@@ -417,9 +411,6 @@ def is_optimizer_step(
     return (batch_idx + 1) % factor == 0 or batch_idx + 1 == num_training_batches or is_last_batch
 
 
-def is_window_start(batch_idx: int, factor: int) -> bool:
-    """Whether this batch opens an accumulation window (where gradients are zeroed)."""
-    return batch_idx % factor == 0
 
 
 # --------------------------------------------------------------------------- logging

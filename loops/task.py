@@ -31,7 +31,7 @@ __all__ = ["DataModule", "Task", "task_callback"]
 StepFn = Callable[[nn.Module, Any], Any]
 
 
-def _default_predict(apply: nn.Module, batch: Any) -> Any:
+def default_predict(apply: nn.Module, batch: Any) -> Any:
     """``apply(batch)``, or ``apply(batch[0])`` for ``(inputs, targets)`` batches."""
     if isinstance(batch, (tuple, list)) and batch:
         return apply(batch[0])
@@ -77,7 +77,7 @@ class Task:
         raise NotImplementedError
 
     def predict_step(self, apply: nn.Module, batch: Any) -> Any:
-        return _default_predict(apply, batch)
+        return default_predict(apply, batch)
 
     def setup(self, stage: str) -> None:
         """Called before a stage runs ("fit", "validate", "test", "predict")."""
@@ -132,7 +132,7 @@ class _FunctionTask(Task):
         self._optimizer = optimizer
         self._val_fn = val_fn or loss_fn
         self._test_fn = test_fn or self._val_fn
-        self._predict_fn = predict_fn or _default_predict
+        self._predict_fn = predict_fn or default_predict
 
     def has(self, method: str) -> bool:
         return True

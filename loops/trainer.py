@@ -38,15 +38,16 @@ from . import loop_state, schedule
 from .callbacks import ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from .config import FLAG_NAMES, LoopConfig
 from .data import Batches, as_list, combine, source
+from .data.source import is_tensor_tuple
 from .driver import Driver
-from .driver import _print_message as _say
+from .driver import print_message as _say
 from .evaluate import evaluate
 from .events import Stage
 from .fit import FitLoop
 from .loggers import create_loggers
 from .predict import predict as run_predict
 from .resume import Checkpointing
-from .task import DataModule, Task, task_callback
+from .task import DataModule, Task, default_predict, task_callback
 from .trainer_args import add_argparse_args, defaults_from_env, from_argparse_args
 
 __all__ = ["Trainer", "TrainerStatus"]
@@ -394,6 +395,13 @@ class Trainer:
         self.checkpointing.save(payload, path, driver)
         self.checkpointing.wait()
 
+    def _shared_log_dir(self) -> str:
+        """The run folder rank 0 chose (every process names files after it)."""
+        if self.strategy.world_size == 1:
+            return self.log_dir
+        chosen = self.log_dir if self.strategy.is_primary else None
+        return self.strategy.broadcast_object(chosen, 0)
+
     def _driver_for(self, fn: str, task: Task | None, model: nn.Module | None) -> Driver:
         messages: list[str] = []
         driver = Driver(
@@ -403,11 +411,12 @@ class Trainer:
             observers=self._observers(),
             config=self.config,
             strategy=self.strategy,
-            log_dir=self.log_dir,
+            log_dir=self._shared_log_dir(),
             checkpointer=self.checkpointing.save,
             remover=self.checkpointing.remove,
             linker=self.checkpointing.link,
-            exists=os.path.exists,
+            flush=self.checkpointing.wait,
+            exists=_exists,
             clock=self._clock,
             extra={"model": model, "num_loggers": len(self.loggers)},
             **({"printer": self._printer} if self._printer is not None else {}),
@@ -427,7 +436,7 @@ class Trainer:
         if data is None:
             raise ValueError("fit needs training data: pass train_dataloaders or a datamodule")
         if isinstance(data, (dict, list)) or (
-            isinstance(data, tuple) and not _is_tensor_tuple(data)
+            isinstance(data, tuple) and not is_tensor_tuple(data)
         ):
             batches: Batches = combine(data, self.multiple_trainloader_mode, **self._shard(seed))
         else:
@@ -498,6 +507,13 @@ class Trainer:
             train_dataloaders is not None or val_dataloaders is not None
         ):
             raise TypeError("pass either dataloaders or a datamodule, not both")
+        if train_dataloaders is None and (
+            datamodule is None or not _overrides(datamodule, "train_dataloader")
+        ):
+            raise ValueError(
+                "fit needs training data: pass train_dataloaders or a datamodule that defines "
+                "train_dataloader()"
+            )
         self._task = task
         self._loop = None
         if datamodule is not None:
@@ -740,7 +756,7 @@ class Trainer:
         if isinstance(model, nn.Module) and fn is None:
             is_fitted = self._task is not None and self._task.get_model() is model
             if not is_fitted:
-                fn = _predict_default
+                fn = default_predict
         task, state = self._eval_target(model, fn, state, "predict_step")
         state = self._from_checkpoint(ckpt_path, state, "predict")
         dataloaders = self._data_for("predict", dataloaders, datamodule, "predict_dataloader")
@@ -773,14 +789,11 @@ def _overrides(obj: Any, method: str) -> bool:
     return getattr(type(obj), method, None) is not getattr(DataModule, method)
 
 
-def _predict_default(apply: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)) and batch:
-        return apply(batch[0])
-    return apply(batch)
+def _exists(url: str) -> bool:
+    """Whether a file exists on any fsspec filesystem (for checkpoint version suffixes)."""
+    from engine.checkpoint import storage
 
-
-def _is_tensor_tuple(data: Any) -> bool:
-    return isinstance(data, tuple) and bool(data) and all(isinstance(x, torch.Tensor) for x in data)
+    return storage.exists(url)
 
 
 def _as_callbacks(callbacks: Any) -> list[Any]:

@@ -237,3 +237,31 @@ def test_state_round_trips_through_a_safe_load(tmp_path):
     path = tmp_path / "s.pt"
     torch.save(run.cb_state, path)
     assert torch.load(path, weights_only=True) == run.cb_state
+
+
+def test_save_on_exception_saves_whatever_the_score():
+    run = Run(ModelCheckpoint(monitor="m", save_on_exception=True, save_top_k=1))
+    run.fire("on_fit_start")
+    run.fire("on_train_epoch_end", step=1, metrics={"m": 0.1})
+    run.fire("on_exception", step=2, metrics={"m": 9.0})  # worse than the best: saved anyway
+    assert _names(run.saved) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    assert run.cb_state["best_model_score"] == pytest.approx(0.1)  # top-k left alone
+
+
+def test_a_resumed_run_with_a_new_folder_keeps_only_the_best_path():
+    first = Run(ModelCheckpoint(dirpath="/a"))
+    first.fire("on_fit_start")
+    first.fire("on_train_epoch_end", step=2)
+    second = Run(ModelCheckpoint(dirpath="/b"))
+    second.state = second.state.replace(callbacks=first.state.callbacks)
+    req = second.fire("on_fit_start")
+    assert "only its best_model_path is kept" in req.messages[0]
+    state = second.cb_state
+    assert state["dirpath"] == "/b" and state["best_model_path"].startswith("/a/")
+    assert state["last_global_step_saved"] == 0
+
+
+def test_save_last_link_needs_a_local_folder():
+    run = Run(ModelCheckpoint(dirpath="memory://x", save_last="link"))
+    with pytest.raises(ValueError, match="needs a local folder"):
+        run.fire("on_fit_start")

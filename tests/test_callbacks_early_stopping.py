@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import engine
 from engine import optim
 from engine.state import Progress
 from loops.callbacks import EarlyStopping, StoppingReason, init_states
+from loops.config import LoopConfig
 from loops.events import Context, Requests, dispatch
 
 INF = math.inf
@@ -204,7 +204,7 @@ def test_non_strict_missing_monitor_is_skipped():
     [
         {"fn": "validate"},
         {"stage": "sanity_check"},
-        {"config": SimpleNamespace(fast_dev_run=1)},
+        {"config": LoopConfig.create(fast_dev_run=1)},
     ],
 )
 def test_skipped_outside_fit_in_sanity_check_and_fast_dev_run(ctx_kw):
@@ -230,9 +230,9 @@ def test_reads_the_loop_config_flags():
 
 
 def test_check_point_resolved_from_config():
-    every_epoch = SimpleNamespace(val_check_interval=1.0, check_val_every_n_epoch=1)
-    half_epoch = SimpleNamespace(val_check_interval=0.5, check_val_every_n_epoch=1)
-    every_other = SimpleNamespace(val_check_interval=1.0, check_val_every_n_epoch=2)
+    every_epoch = LoopConfig.create(val_check_interval=1.0, check_val_every_n_epoch=1)
+    half_epoch = LoopConfig.create(val_check_interval=0.5, check_val_every_n_epoch=1)
+    every_other = LoopConfig.create(val_check_interval=1.0, check_val_every_n_epoch=2)
     for config, on_epoch_end in [(every_epoch, True), (half_epoch, False), (every_other, False)]:
         _, a, _ = run(EarlyStopping("v", patience=0), [1, 1], "v", config=config)
         _, b, _ = run(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +13,7 @@ import engine
 from engine import optim
 from engine.state import Progress
 from loops.callbacks import LearningRateMonitor, find_hyperparams, init_states, should_log_step
+from loops.config import LoopConfig
 from loops.events import Context, dispatch
 
 inject = optim.inject_hyperparams
@@ -165,7 +164,7 @@ def test_no_logger_is_an_error_only_when_the_loop_says_so():
     interval=st.sampled_from([None, "step", "epoch"]),
 )
 def test_step_logging_cadence(step, every, should_stop, interval):
-    config = SimpleNamespace(log_every_n_steps=every)
+    config = LoopConfig.create(log_every_n_steps=every)
     opt = inject(optim.sgd)(lr=0.1)
     cb = LearningRateMonitor(logging_interval=interval)
     req = _fire(cb, "on_train_batch_start", opt, step, config, should_stop)

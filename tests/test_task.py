@@ -89,7 +89,7 @@ def test_task_callback_handles_only_the_events_the_task_defines():
     assert dispatch("on_train_epoch_end", [cb], state, ctx) == (state, NOTHING)
     plain = task_callback(Minimal(net))
     assert plain.init() == {}
-    from loops.events import _overrides
+    from loops.events import handles as _overrides
 
     assert not any(_overrides(plain, e) for e in ("setup", "teardown", "on_train_start"))
 

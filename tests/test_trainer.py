@@ -836,3 +836,36 @@ print(len(names))
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) > 20
+
+
+def test_mid_epoch_validation_checkpoints_at_every_validation_end(tmp_path):
+    from loops.callbacks import ModelCheckpoint
+
+    cb = ModelCheckpoint(save_top_k=-1)
+    t = trainer(max_epochs=1, val_check_interval=0.5, callbacks=[cb], default_root_dir=tmp_path)
+    t.fit(net(), loss_fn, optim.sgd(0.1), loader(64), loader(8))  # 16 batches of 4
+    names = sorted(p.name for p in tmp_path.rglob("*.ckpt"))
+    assert names == ["epoch=0-step=16.ckpt", "epoch=0-step=8.ckpt"]
+
+
+def test_the_sanity_check_leaves_callback_states_alone():
+    seen = LambdaCallback(name="seen", on_validation_end=lambda ctx: None)
+
+    class Counter(Callback):
+        def init(self):
+            return {"validations": 0}
+
+        def on_validation_end(self, state, ctx):
+            return {"validations": state["validations"] + 1}, NOTHING
+
+    t = trainer(max_epochs=2, callbacks=[Counter(), seen], enable_checkpointing=False)
+    state = t.fit(net(), loss_fn, optim.sgd(0.1), loader(16), loader(8))
+    assert state.callbacks["Counter"]["validations"] == 2  # not 3: the sanity check left no trace
+
+
+def test_fit_without_training_data_fails_before_anything_runs():
+    rec = Recorder()
+    t = trainer(callbacks=[rec.callback])
+    with pytest.raises(ValueError, match="fit needs training data"):
+        t.fit(net(), loss_fn, optim.sgd(0.1), None, loader(8))
+    assert rec.names() == []

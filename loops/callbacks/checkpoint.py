@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .. import schedule
+from ..config import default_config
 from ..events import NOTHING, Context, Requests
 from .base import Callback
 
@@ -126,9 +128,6 @@ class ModelCheckpoint(Callback):
             "deferred": False,
         }
 
-    def best_model_path(self, state: dict[str, Any]) -> str:
-        return state["best_model_path"]
-
     # ------------------------------------------------------------------ helpers
 
     def _skip(self, ctx: Context, state: dict[str, Any]) -> bool:
@@ -143,11 +142,10 @@ class ModelCheckpoint(Callback):
     def _on_epoch_end(self, ctx: Context) -> bool:
         if self.save_on_train_epoch_end is not None:
             return self.save_on_train_epoch_end
-        config = ctx.config
-        if getattr(config, "check_val_every_n_epoch", 1) != 1:
-            return False
         has_val = bool(ctx.extra.get("num_val_batches", 0))
-        return not has_val or getattr(config, "val_check_interval", 1.0) == 1.0
+        return schedule.checkpoint_on_train_epoch_end(
+            ctx.config or default_config(), has_val_batches=has_val
+        )
 
     def _epoch_due(self, ctx: Context) -> bool:
         return self.every_n_epochs >= 1 and (ctx.epoch + 1) % self.every_n_epochs == 0
@@ -298,9 +296,23 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ events
 
     def on_fit_start(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
+        messages: tuple[str, ...] = ()
+        if self.dirpath is not None and state["dirpath"] and state["dirpath"] != self.dirpath:
+            # resumed with a different folder: Lightning keeps only the best path
+            messages = (
+                f"ModelCheckpoint: the checkpoint was written to {state['dirpath']!r}, this run "
+                f"saves to {self.dirpath!r}; only its best_model_path is kept",
+            )
+            state = {**self.init(), "best_model_path": state["best_model_path"]}
         state = dict(state)
         state["dirpath"] = self._dirpath(state, ctx)
-        return state, NOTHING
+        remote = "://" in state["dirpath"] and not state["dirpath"].startswith("file://")
+        if self.save_last == "link" and remote:
+            raise ValueError(
+                f"ModelCheckpoint(save_last='link') needs a local folder, got "
+                f"{state['dirpath']!r}; use save_last=True"
+            )
+        return state, Requests(messages=messages) if messages else NOTHING
 
     def on_train_start(
         self, state: dict[str, Any], ctx: Context
@@ -369,7 +381,11 @@ class ModelCheckpoint(Callback):
             or state["last_global_step_saved"] == ctx.global_step
         ):
             return state, NOTHING
-        return self._save_all(state, ctx)
+        # saved whatever the monitored value (Lightning): the template name, and last
+        path = self._path(state, ctx, self.format_name(self._metrics(ctx)), None)
+        state = self._saved(dict(state), ctx, path)
+        state, last = self._save_last(state, ctx)
+        return state, self._request_save(path) | last
 
 
 def _seconds(value: Any) -> float | None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .. import schedule
+from ..config import default_config
 from ..events import NOTHING, Context, Requests, Stage
 from .base import Callback
 
@@ -41,9 +43,7 @@ def check_on_train_epoch_end(config: Any, explicit: bool | None = None) -> bool:
     """
     if explicit is not None:
         return bool(explicit)
-    interval = getattr(config, "val_check_interval", 1.0)
-    every = getattr(config, "check_val_every_n_epoch", 1)
-    return interval == 1.0 and every == 1
+    return schedule.early_stopping_on_train_epoch_end(config or default_config())
 
 
 class EarlyStopping(Callback):

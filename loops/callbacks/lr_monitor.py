@@ -18,6 +18,8 @@ import torch
 
 from engine.optim import InjectHyperparamsState, PartitionState
 
+from .. import schedule
+from ..config import default_config
 from ..events import NOTHING, Context, Requests
 from .base import Callback
 
@@ -124,10 +126,9 @@ def should_log_step(ctx: Context) -> bool:
     """Lightning's step-logging cadence, asked before the step of this batch runs:
     ``(batches_that_stepped + 1) % log_every_n_steps == 0`` or a stop was requested
     (``log_every_n_steps == 0``: never)."""
-    every = getattr(ctx.config, "log_every_n_steps", 50)
-    if not every:
-        return False
-    return (ctx.progress.step + 1) % every == 0 or ctx.should_stop
+    return schedule.should_log_step(
+        ctx.config or default_config(), ctx.progress.step, ctx.should_stop
+    )
 
 
 class LearningRateMonitor(Callback):

@@ -72,6 +72,11 @@ class ProgressBar:
     def enabled(self) -> bool:
         return self.refresh_rate > 0
 
+    @property
+    def events(self) -> frozenset[str]:
+        """The events this bar draws on (the driver builds no context for the others)."""
+        return frozenset(self._handlers)
+
     def on_event(self, event: str, ctx: Context) -> None:
         """Draw what ``event`` changes (events it does not show are ignored)."""
         if not self.enabled or ctx.rank != 0:

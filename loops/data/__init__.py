@@ -11,7 +11,7 @@ evaluation sets" into a list.
 """
 
 from . import order
-from .batches import Batches
+from .batches import Batches, length
 from .combined import MODES, CombinedBatches, as_list, combine
 from .datasets import DatasetBatches
 from .iterables import IterableBatches
@@ -37,6 +37,7 @@ __all__ = [
     "combine",
     "epoch_order",
     "keyed",
+    "length",
     "order",
     "rank_order",
     "sample_generator",

@@ -69,3 +69,15 @@ class Batches(abc.ABC):
             **(options.summary() if options is not None else {}),
             **extra,
         }
+
+
+def length(batches: Any) -> int | float:
+    """Batches per epoch of a ``Batches`` (or anything with a ``len``); ``math.inf`` when
+    unsized."""
+    n = getattr(batches, "num_batches", None)
+    if n is not None:
+        return n
+    try:
+        return len(batches)
+    except TypeError:
+        return math.inf

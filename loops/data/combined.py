@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .batches import Batches, check_position
-from .source import _is_tensor_tuple, source
+from .source import is_tensor_tuple, source
 
 __all__ = ["MODES", "CombinedBatches", "as_list", "combine"]
 
@@ -246,7 +246,7 @@ def combine(
         raise ValueError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
     if isinstance(sources, Mapping):
         converted: Any = {k: _as_batches(v, options) for k, v in sources.items()}
-    elif _is_tensor_tuple(sources):
+    elif is_tensor_tuple(sources):
         raise TypeError("a tuple of tensors is one source; pass a list of sources to combine()")
     elif isinstance(sources, (list, tuple)):
         converted = type(sources)(_as_batches(v, options) for v in sources)
@@ -269,6 +269,6 @@ def as_list(data: Any, **options: Any) -> list[Batches]:
         return data.sources
     if isinstance(data, Mapping):
         return [_as_batches(v, options) for v in data.values()]
-    if isinstance(data, (list, tuple)) and not _is_tensor_tuple(data):
+    if isinstance(data, (list, tuple)) and not is_tensor_tuple(data):
         return [_as_batches(v, options) for v in data]
     return [_as_batches(data, options)]

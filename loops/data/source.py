@@ -49,7 +49,8 @@ from .tensors import TensorBatches
 __all__ = ["batches", "source"]
 
 
-def _is_tensor_tuple(data: Any) -> bool:
+def is_tensor_tuple(data: Any) -> bool:
+    """Whether ``data`` is a tuple of tensors (one dataset, not several sources)."""
     return isinstance(data, tuple) and bool(data) and all(isinstance(t, torch.Tensor) for t in data)
 
 
@@ -165,7 +166,7 @@ def source(
         prefetch_factor=prefetch_factor,
         multiprocessing_context=multiprocessing_context,
     )
-    if isinstance(data, torch.Tensor) or _is_tensor_tuple(data):
+    if isinstance(data, torch.Tensor) or is_tensor_tuple(data):
         return TensorBatches(data, options)
     if isinstance(data, IterableDataset):
         if shuffle:
