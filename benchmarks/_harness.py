@@ -5,6 +5,8 @@ sides rotates from round to round, ``gc.collect()`` runs before each block (outs
 timed region; collections triggered inside a block count, as they would in a real loop),
 and a block's time divided by its steps is one sample. Background load on a shared machine
 then falls on all sides alike, and the median over rounds discards the disturbed blocks.
+``interleaved_calls`` does the same for calls too long to repeat in a block (an epoch, a
+checkpoint write): one timed call per side per round, after an untimed ``prepare``.
 
 Memory: CPU tensors have no allocator statistics, so two independent meters are offered.
 
@@ -33,6 +35,7 @@ pass (see its docstring); the benchmarks run it before measuring.
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -51,9 +54,12 @@ __all__ = [
     "Memory",
     "allocator_peak_bytes",
     "interleaved",
+    "interleaved_calls",
     "peak_live_bytes",
+    "release_free_memory",
     "self_check",
     "storage_bytes",
+    "summary",
 ]
 
 
@@ -93,6 +99,57 @@ def interleaved(
             if faults is not None:
                 faults[name].append((_minor_faults() - f0) / steps)
     return samples
+
+
+def interleaved_calls(
+    sides: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], rounds: int
+) -> dict[str, list[float]]:
+    """Seconds of one timed call of each side per round, for calls too long to repeat in a block.
+
+    Each side is ``(prepare, run)``: ``prepare()`` runs untimed before every call (e.g. to
+    remove the file the previous call wrote), then ``gc.collect()``, then ``run(prepared)``
+    is timed. What ``run`` returns is released after the clock stops, so freeing a large
+    result is not charged to the call. The order of the sides rotates from round to round
+    as in ``interleaved``.
+    """
+    names = list(sides)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    clock = time.perf_counter_ns
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            prepare, run = sides[name]
+            prepared = prepare()
+            gc.collect()
+            t0 = clock()
+            result = run(prepared)
+            samples[name].append((clock() - t0) * 1e-9)
+            del result, prepared
+    return samples
+
+
+def release_free_memory() -> bool:
+    """Hand the memory the C allocator holds free back to the OS (glibc ``malloc_trim``).
+
+    Calls that allocate hundreds of MB (loading a checkpoint) run at two speeds depending on
+    whether the allocator still holds pages a previous call freed (no page faults) or must
+    fault in fresh ones, as a new process does. Calling this before each such call puts
+    every side in the fresh-process case. Returns False where there is no glibc.
+    """
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+def summary(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    """``median (min..max)`` of ``values`` times ``scale``, for the per-side lines."""
+    v = [x * scale for x in values]
+    return f"{statistics.median(v):.{digits}f} ({min(v):.{digits}f}..{max(v):.{digits}f})"
 
 
 # --------------------------------------------------------------------------- live storage

@@ -1,0 +1,84 @@
+"""Smoke tests of the benchmarks: each runs with ``--quick`` and ends with its ratio line.
+
+Each benchmark runs as a subprocess from the repository root (as its docstring says to run
+it) and must exit cleanly with a last line ``key=value ...`` holding exactly its expected
+keys and finite, positive numbers. The figures of a quick run mean nothing, so nothing
+else is checked. About 15-20 s in all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EXPECTED = {
+    "fit_overhead.py": {"ratio", "step_ratio", "loop_ratio"},
+    "resume_cost.py": {"ratio", "data_ratio"},
+    "checkpoint_io.py": {"save_ratio", "load_ratio"},
+}
+
+
+def ratio_line(output: str) -> dict[str, float]:
+    """The ``key=value`` pairs of the last non-empty line of ``output``, values as floats."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("the benchmark printed nothing")
+    values = {}
+    for item in lines[-1].split():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"the last line is not 'key=value ...': {lines[-1]!r}")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} in the last line is not a number") from None
+    return values
+
+
+def run_quick(script: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_quick_run_ends_with_its_ratio_line(script: str) -> None:
+    done = run_quick(script)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    values = ratio_line(done.stdout)
+    assert set(values) == EXPECTED[script], f"{script}: last line has keys {sorted(values)}"
+    for key, value in values.items():
+        assert math.isfinite(value) and value > 0, f"{script}: {key}={value}"
+
+
+def test_ratio_line_reads_key_value_pairs() -> None:
+    assert ratio_line("header\nratio=1.250 data_ratio=0.9\n\n") == {
+        "ratio": 1.25,
+        "data_ratio": 0.9,
+    }
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("", "printed nothing"),
+        ("ratio=1.0 done", "not 'key=value"),
+        ("ratio=fast", "not a number"),
+        ("=1.0", "not 'key=value"),
+    ],
+)
+def test_ratio_line_rejects_malformed_output(output: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ratio_line(output)
