@@ -8,9 +8,16 @@ primary process writes; the others wait at a barrier.
 
 ``resolve(ckpt_path)`` turns ``"last"`` (the newest checkpoint that reads, searched in the
 checkpoint folders, across the loggers' version folders), ``"best"`` (the checkpoint
-callback's best path) or a path into a URL. ``restore`` loads a checkpoint for resuming: the
-parameters, buffers and optimizer state must match the model and optimizer being trained;
-everything else (progress, key, callback and loop state) comes from the file.
+callback's best path) or a path into a URL. ``restore`` loads a checkpoint for resuming
+(``engine.checkpoint.conform`` against a fresh state): the parameters, buffers, optimizer
+and loss-scaler state must match the model and optimizer being trained and land on their
+devices; everything else (progress, key, callback and loop state, the open accumulation
+window) comes from the file. A checkpoint ``resolve`` already read to validate it is not
+read again by ``restore`` / ``load_for_eval``.
+
+Temporary files a killed writer left behind (``.<name>.tmp-*``) are removed by the primary
+process from the folders ``"last"`` searches, and from a folder before this run first writes
+into it (never while one of this run's own asynchronous writes is in flight).
 
 Preemption: during ``fit``, SIGTERM and SIGUSR1 (configurable) only set a flag; at the next
 commit point (the end of the current batch) the run writes ``last.ckpt`` in its checkpoint
@@ -71,6 +78,9 @@ class Checkpointing:
         self.signals = tuple(signals)
         self.saver = ck.AsyncCheckpointer() if async_save else None
         self._signal: int | None = None
+        # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.
+        self._resolved: tuple[str, dict[str, Any]] | None = None
+        self._cleaned: set[str] = set()
 
     # ------------------------------------------------------------------ writing
 
@@ -86,6 +96,9 @@ class Checkpointing:
     def save(self, state: Any, path: str, driver: Any) -> None:
         """Write ``state`` to ``path`` (the driver's checkpointer)."""
         if self.strategy.is_primary:
+            folder = path.rstrip("/").rsplit("/", 1)[0] if "/" in path else "."
+            if folder not in self._cleaned:
+                self.remove_partial([folder], say=getattr(driver, "say", None))
             weights_only = isinstance(state, dict) and state.get("weights_only") is True
             meta = self.metadata(driver, weights_only=weights_only)
             if self.saver is not None:
@@ -107,6 +120,23 @@ class Checkpointing:
     @staticmethod
     def remove(path: str) -> None:
         ck.remove(path)
+
+    def remove_partial(self, folders: Sequence[str], say: Any = None) -> list[str]:
+        """Delete the temporary files killed writers left in ``folders`` (primary process
+        only, after this run's own write in flight is done); return what was removed."""
+        if not self.strategy.is_primary:
+            return []
+        self.wait()
+        removed: list[str] = []
+        for folder in folders:
+            removed += ck.remove_partial(folder)
+            self._cleaned.add(folder)
+        if removed and say is not None:
+            say(
+                f"Removed {len(removed)} partial checkpoint file(s) left by an interrupted "
+                f"write: {', '.join(removed)}"
+            )
+        return removed
 
     @staticmethod
     def link(target: str, link: str) -> None:
@@ -158,18 +188,23 @@ class Checkpointing:
         say: Any = None,
     ) -> str | None:
         """The checkpoint URL ``ckpt_path`` names (None: start fresh)."""
+        self._resolved = None
         if ckpt_path is None:
             return None
         if ckpt_path == "last":
+            folders = self.folders(callbacks, state)
+            self.remove_partial(folders, say=say)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                url = _first_valid(self.folders(callbacks, state))
+                self._resolved = ck.read_latest(folders)
             for w in caught:
                 if say is not None:
                     say(str(w.message))
-            if url is None and say is not None:
-                say('ckpt_path="last" is set, but there is no checkpoint yet: starting fresh.')
-            return url
+            if self._resolved is None:
+                if say is not None:
+                    say('ckpt_path="last" is set, but there is no checkpoint yet: starting fresh.')
+                return None
+            return self._resolved[0]
         if ckpt_path == "best":
             if fn == "fit":
                 raise ValueError('ckpt_path="best" is for validate/test/predict, not fit')
@@ -188,15 +223,15 @@ class Checkpointing:
 
     def restore(self, url: str, fresh: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state to resume from ``url``, checked against ``fresh`` (a new state of the
-        same model and optimizer); the loggers are set to continue from the checkpoint."""
-        loaded, meta = ck.load(url)
+        same model and optimizer) and placed on its devices; the loggers are set to
+        continue from the checkpoint."""
+        loaded, meta = self._load(url)
         if meta.get("weights_only") or not isinstance(loaded, TrainState):
             raise ck.CheckpointError(
                 f"{url} holds weights only and cannot resume training; start from its weights "
                 "with engine.checkpoint.load_weights(state, path, model)"
             )
-        for part in ("params", "buffers", "opt_state", "precision"):
-            ck.conform(getattr(loaded, part), getattr(fresh, part), url=url, what=part)
+        loaded = ck.conform(loaded, fresh, url=url)
         states = meta.get("loggers") or []
         if len(states) == len(self.loggers):
             for logger, logger_state in zip(self.loggers, states):
@@ -210,13 +245,22 @@ class Checkpointing:
         return loaded, meta
 
     def load_for_eval(self, url: str, fresh: TrainState) -> TrainState:
-        """Parameters and buffers from ``url`` (a full or weights-only checkpoint)."""
-        loaded, _ = ck.load(url)
+        """``fresh`` with the parameters and buffers of ``url`` (a full or weights-only
+        checkpoint), checked against and placed like ``fresh``'s."""
+        loaded, _ = self._load(url)
         params = loaded["params"] if isinstance(loaded, dict) else loaded.params
         buffers = loaded["buffers"] if isinstance(loaded, dict) else loaded.buffers
-        ck.conform(params, fresh.params, url=url, what="params")
-        ck.conform(buffers, fresh.buffers, url=url, what="buffers")
+        params = ck.conform(params, fresh.params, url=url, what="params")
+        buffers = ck.conform(buffers, fresh.buffers, url=url, what="buffers")
         return fresh.replace(params=params, buffers=buffers)
+
+    def _load(self, url: str) -> tuple[Any, dict[str, Any]]:
+        """``(state, metadata)`` of ``url``, from the payload ``resolve`` read if it is
+        that file's (the payload is used once), else read now."""
+        resolved, self._resolved = self._resolved, None
+        if resolved is not None and resolved[0] == url:
+            return ck.load_payload(resolved[1], url=url)
+        return ck.load(url)
 
     # ------------------------------------------------------------------ preemption
 
@@ -262,24 +306,3 @@ def _with_protocol(root: str, path: str) -> str:
     if "://" in root and "://" not in path:
         return root.split("://", 1)[0] + "://" + path
     return path
-
-
-def _mtime(url: str) -> float:
-    fs, path = ck.storage.filesystem(url)
-    return ck.modified_time(fs.info(path))
-
-
-def _first_valid(folders: Sequence[str]) -> str | None:
-    """The newest checkpoint that reads, across ``folders`` (warning about broken ones)."""
-    candidates: list[str] = []
-    for folder in folders:
-        candidates += ck.candidates(folder)
-    candidates.sort(key=_mtime, reverse=True)
-    for url in candidates:
-        try:
-            ck.read(url)
-        except (ck.CheckpointError, OSError) as err:
-            warnings.warn(f"skipping checkpoint {url}: {err}", stacklevel=2)
-            continue
-        return url
-    return None

@@ -5,9 +5,12 @@ import subprocess
 import sys
 import time
 import warnings
+import zipfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import engine
@@ -315,3 +318,254 @@ def test_files_with_arbitrary_objects_are_refused_with_advice(tmp_path):
     torch.save({"state_dict": {"w": torch.ones(1)}, "hparams": _Payload()}, path)
     with pytest.raises(ck.CheckpointError, match="weights_only=False"):
         ck.load_weights(engine.init(mlp(), optim.sgd(0.1)), str(path), mlp())
+
+
+# ------------------------------------------------------------------ restoring into a fresh target
+
+
+def _mid_window(micro_batches=1, accumulate=2):
+    """A state after ``micro_batches`` micro-batches, with callback and loop state filled."""
+    net = mlp(dropout=0.5)
+    opt = optim.adam(1e-2)
+    state = engine.init(net, opt, seed=5)
+    step = engine.train_step(net, loss_fn, opt, accumulate=accumulate)
+    for batch in batches(micro_batches):
+        state, _ = step(state, batch)
+    state = state.replace(
+        callbacks={"cb": {"best": 1.5}}, extra={"loop": {"sums": torch.arange(3.0)}}
+    )
+    return net, opt, step, state
+
+
+def _other_head():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
+
+
+def test_a_fresh_target_takes_the_runs_position_and_open_window_from_the_file():
+    net, opt, step, state = _mid_window()
+    assert state.progress.micro_step == 1 and state.grad_accum is not None
+    ck.save(state, "memory://ckpt-tests/window.ckpt")
+    fresh = engine.init(net, opt, seed=9)  # no window, no callbacks, another key
+    loaded, _ = ck.load("memory://ckpt-tests/window.ckpt", target=fresh)
+    tree.assert_trees_equal(loaded, state)
+    # the window's gradients are used: the step that closes it gives the same bits
+    batch = batches(2, seed=1)[1]
+    tree.assert_trees_equal(step(loaded, batch)[0], step(state, batch)[0])
+
+
+@given(
+    micro_batches=st.integers(0, 5),
+    accumulate=st.integers(1, 3),
+    same_model=st.booleans(),
+)
+@settings(max_examples=25)
+def test_a_restore_never_counts_an_open_window_without_its_gradients(
+    micro_batches, accumulate, same_model
+):
+    net, opt, _, state = _mid_window(micro_batches, accumulate)
+    url = f"memory://ckpt-tests/prop-{micro_batches}-{accumulate}.ckpt"
+    ck.save(state, url)
+    fresh = engine.init(net if same_model else _other_head(), opt, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded, _ = ck.load(url, target=fresh, strict=False)
+    assert (loaded.progress.micro_step > 0) == (loaded.grad_accum is not None)
+    dropped = any("Dropped the open accumulation window" in str(w.message) for w in caught)
+    if same_model:
+        tree.assert_trees_equal(loaded, state)
+        assert not caught
+    else:
+        assert dropped == (state.progress.micro_step > 0)
+        assert loaded.progress.micro_step == 0
+        tree.assert_trees_equal(loaded.progress, state.progress.replace(micro_step=0))
+        assert torch.equal(loaded.params["3.weight"], fresh.params["3.weight"])
+        assert torch.equal(loaded.params["0.weight"], state.params["0.weight"])
+
+
+def test_accumulated_gradients_are_checked_against_the_parameters():
+    _, opt, _, state = _mid_window()
+    ck.save(state, "memory://ckpt-tests/accum.ckpt")
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load("memory://ckpt-tests/accum.ckpt", target=engine.init(_other_head(), opt))
+    message = str(info.value)
+    assert "params: 2 differences" in message and "grad_accum: 2 differences" in message
+    assert "grad_accum['0.weight']" not in message  # only the head differs
+    assert (
+        ".grad_accum['3.weight']: shape (3, 16) in the checkpoint, (4, 16) in the target" in message
+    )
+    stray = state.replace(grad_accum={**state.grad_accum, "9.weight": torch.zeros(3)})
+    ck.save(stray, "memory://ckpt-tests/accum-stray.ckpt")
+    with pytest.raises(ck.CheckpointError, match="the target has no parameter '9.weight'"):
+        ck.load("memory://ckpt-tests/accum-stray.ckpt", target=state)
+    bad = state.replace(grad_accum={**state.grad_accum, "0.bias": torch.zeros(3)})
+    ck.save(bad, "memory://ckpt-tests/accum-shape.ckpt")
+    with pytest.raises(ck.CheckpointError, match=r"grad_accum\['0.bias'\]: shape \(3,\)"):
+        ck.load("memory://ckpt-tests/accum-shape.ckpt", target=state)
+
+
+def test_an_open_window_without_gradients_is_refused_or_dropped():
+    net, opt, _, state = _mid_window()
+    ck.save(state.replace(grad_accum=None), "memory://ckpt-tests/no-accum.ckpt")
+    fresh = engine.init(net, opt)
+    with pytest.raises(ck.CheckpointError, match="1 micro-batches accumulated, but the"):
+        ck.load("memory://ckpt-tests/no-accum.ckpt", target=fresh)
+    with pytest.warns(UserWarning, match="Dropped the open accumulation window"):
+        loaded, _ = ck.load("memory://ckpt-tests/no-accum.ckpt", target=fresh, strict=False)
+    assert loaded.progress.micro_step == 0 and loaded.grad_accum is None
+    tree.assert_trees_equal(loaded.params, state.params)
+
+
+def test_a_restored_run_lands_on_the_targets_devices():
+    net, opt, _, state = _mid_window()
+    ck.save(state, "memory://ckpt-tests/placed.ckpt")
+    fresh = tree.to_device(engine.init(net, opt), "meta")  # a device other than the file's
+    loaded, _ = ck.load("memory://ckpt-tests/placed.ckpt", target=fresh)
+    for part in (loaded.params, loaded.opt_state, loaded.grad_accum):
+        assert {t.device.type for t in tree.leaves(part) if isinstance(t, torch.Tensor)} == {"meta"}
+    tree.assert_trees_equal(loaded.progress, state.progress)
+    assert loaded.rng == state.rng
+
+
+def test_other_targets_are_matched_as_a_whole():
+    ck.save({"w": torch.ones(2), "extra": 1}, "memory://ckpt-tests/dict.ckpt")
+    with pytest.raises(ck.CheckpointError, match=r"\['extra'\]: in the checkpoint but not"):
+        ck.load("memory://ckpt-tests/dict.ckpt", target={"w": torch.zeros(2)})
+
+
+# ------------------------------------------------------------------ malformed files
+
+
+@pytest.mark.parametrize(
+    ("entry", "node", "where"),
+    [
+        ("state", {"__kind__": "dict"}, "at the root: KeyError"),
+        ("state", {"__kind__": "dict", "items": [["a", {"__kind__": "list"}]]}, r"\['a'\]"),
+        ("state", {"__kind__": "dict", "items": [[["unhashable"], 1]]}, "TypeError"),
+        ("state", {"__kind__": "device", "name": "nowhere"}, "RuntimeError"),
+        ("metadata", {"__kind__": "list", "items": 3}, "at metadata: TypeError"),
+    ],
+)
+def test_malformed_payloads_are_checkpoint_errors_naming_the_file(tmp_path, entry, node, where):
+    payload = ck.files.serialize({"x": 1})
+    payload[entry] = node
+    torch.save(payload, tmp_path / "malformed.ckpt")
+    with pytest.raises(ck.CheckpointError, match=f"malformed.ckpt: malformed checkpoint .*{where}"):
+        ck.load(str(tmp_path / "malformed.ckpt"))
+    del payload[entry]
+    torch.save(payload, tmp_path / "short.ckpt")
+    with pytest.raises(ck.CheckpointError, match=f"short.ckpt: .*no '{entry}' entry"):
+        ck.load(str(tmp_path / "short.ckpt"))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        zipfile.BadZipFile("bad central directory"),
+        OSError("read failed"),
+        KeyError("data/0"),
+        EOFError(),
+        RuntimeError("PytorchStreamReader failed"),
+        ValueError("bad header"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+@pytest.mark.parametrize("reader", [ck.read, ck.read_state_dict], ids=["checkpoint", "state_dict"])
+def test_checkpoints_and_weight_files_report_corruption_the_same_way(
+    tmp_path, monkeypatch, error, reader
+):
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(b"whatever")
+
+    def failing_load(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(torch, "load", failing_load)
+    with pytest.raises(ck.CheckpointError, match=r"damaged.pt is corrupt or truncated"):
+        reader(str(path))
+
+
+# ------------------------------------------------------------------ reading once
+
+
+def _counting_torch_load(monkeypatch):
+    calls = []
+    original = torch.load
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting)
+    return calls
+
+
+def test_the_latest_checkpoint_is_read_once_and_restored_from_its_payload(tmp_path, monkeypatch):
+    state = _trained_state(1)
+    ck.save(state, str(tmp_path / "good.ckpt"))
+    time.sleep(0.01)
+    (tmp_path / "broken.ckpt").write_bytes(b"not a zip")
+    calls = _counting_torch_load(monkeypatch)
+    with pytest.warns(UserWarning, match="skipping checkpoint .*broken.ckpt"):
+        url, payload = ck.read_latest([str(tmp_path / "missing"), str(tmp_path)])
+    assert url.endswith("good.ckpt") and len(calls) == 2  # the broken one, then the good one
+    loaded, meta = ck.load_payload(payload, url=url, target=state)
+    assert len(calls) == 2
+    tree.assert_trees_equal(loaded, state)
+    assert meta["versions"] == ck.versions()
+    assert ck.read_latest(str(tmp_path / "missing")) is None
+
+
+# ------------------------------------------------------------------ weights round trip
+
+
+class _TiedWithCache(nn.Module):
+    """Tied weights, a persistent buffer (BatchNorm) and a non-persistent one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 4, bias=False)
+        self.out.weight = self.emb.weight
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("cache", torch.arange(4.0), persistent=False)
+
+
+def test_export_then_load_weights_round_trips_with_non_persistent_buffers():
+    net = _TiedWithCache()
+    state = engine.init(net, optim.sgd(0.1))
+    state = state.replace(
+        params={k: v + 1 for k, v in state.params.items()},
+        buffers={k: v + 2 for k, v in state.buffers.items()},
+    )
+    sd = ck.export_state_dict(state, net)
+    assert "cache" not in sd and sd["out.weight"] is sd["emb.weight"]
+    fresh = engine.init(_TiedWithCache(), optim.sgd(0.1), seed=3)
+    loaded = ck.load_weights(fresh, sd, net)
+    tree.assert_trees_equal(loaded.params, state.params)
+    assert torch.equal(loaded.buffers["norm.running_mean"], state.buffers["norm.running_mean"])
+    assert torch.equal(loaded.buffers["cache"], fresh.buffers["cache"])  # the state's own
+    assert loaded.params["emb.weight"] is not sd["emb.weight"]  # copied, not aliased
+    without_tie = {k: v for k, v in sd.items() if k != "emb.weight"}
+    tree.assert_trees_equal(ck.load_weights(fresh, without_tie, net).params, state.params)
+    missing = {k: v for k, v in sd.items() if k != "norm.running_var"}
+    with pytest.raises(ck.CheckpointError, match="norm.running_var: missing in the source"):
+        ck.load_weights(fresh, missing, net)
+
+
+class _CountingNet(nn.Sequential):
+    calls = 0
+
+    def named_parameters(self, *args, **kwargs):
+        type(self).calls += 1
+        return super().named_parameters(*args, **kwargs)
+
+
+def test_load_weights_walks_the_model_a_fixed_number_of_times():
+    counts = []
+    for layers in (2, 40):
+        net = _CountingNet(*[nn.Linear(3, 3) for _ in range(layers)])
+        state = engine.init(net, optim.sgd(0.1))
+        _CountingNet.calls = 0
+        ck.load_weights(state, net.state_dict(), net)
+        counts.append(_CountingNet.calls)
+    assert counts[0] == counts[1] <= 2

@@ -14,6 +14,7 @@ from engine import checkpoint, optim, tree
 from loops import Trainer
 from loops.callbacks import ModelCheckpoint
 from loops.loggers import CSVLogger
+from loops.resume import Checkpointing
 from tests.helpers import mlp
 
 
@@ -158,3 +159,94 @@ def test_save_last_link_points_at_the_latest_checkpoint(tmp_path):
     assert os.readlink(last) == "epoch=2-step=12.ckpt"
     loaded, _ = checkpoint.load(str(last))
     assert loaded.progress.step == 12
+
+
+# ------------------------------------------------------------------ restoring, reading, cleaning
+
+
+class _Rank1(engine.Strategy):
+    rank = 1
+    world_size = 2
+
+
+def _checkpointing(root, strategy=None):
+    return Checkpointing(
+        strategy=strategy or engine.Strategy(), loggers=[], config=None, root_dir=str(root)
+    )
+
+
+def _mid_window_checkpoint(path):
+    """A state saved inside an accumulation window, and the model and optimizer it trains."""
+    net, opt = mlp(), optim.adam(1e-2)
+    state = engine.init(net, opt, seed=2)
+    step = engine.train_step(net, _loss, opt, accumulate=3)
+    x, y = _data(8).tensors
+    for i in range(4):
+        state, _ = step(state, (x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]))
+    assert state.progress.micro_step == 1
+    checkpoint.save(state.replace(extra={"loop": {"epoch": 0}}), path)
+    return net, opt, state
+
+
+def test_restores_keep_the_fresh_states_devices_and_the_files_position(tmp_path):
+    path = str(tmp_path / "window.ckpt")
+    net, opt, state = _mid_window_checkpoint(path)
+    fresh = tree.to_device(engine.init(net, opt), "meta")  # as a strategy would place it
+    restored, meta = _checkpointing(tmp_path).restore(path, fresh)
+    for part in (restored.params, restored.opt_state, restored.grad_accum):
+        devices = {t.device.type for t in tree.leaves(part) if isinstance(t, torch.Tensor)}
+        assert devices == {"meta"}
+    tree.assert_trees_equal(restored.progress, state.progress)
+    assert restored.rng == state.rng and restored.extra == {"loop": {"epoch": 0}}
+    assert "versions" in meta
+    evaluated = _checkpointing(tmp_path).load_for_eval(path, fresh)
+    assert {t.device.type for t in evaluated.params.values()} == {"meta"}
+    assert evaluated.opt_state is fresh.opt_state
+
+
+def test_resuming_from_last_reads_the_checkpoint_once(tmp_path, monkeypatch):
+    _fit(_trainer(str(tmp_path), max_epochs=1))
+    loads = []
+    original = torch.load
+
+    def counting(*args, **kwargs):
+        loads.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting)
+    trainer = _trainer(str(tmp_path), max_epochs=2)
+    state = _fit(trainer, ckpt_path="last")
+    assert state.progress.epoch == 2 and len(loads) == 1
+    loads.clear()
+    trainer.test(state, DataLoader(_data(16, 1), batch_size=8), ckpt_path="last", verbose=False)
+    assert len(loads) == 1
+
+
+def test_partial_files_are_removed_before_resuming_and_before_writing(tmp_path):
+    _fit(_trainer(str(tmp_path / "run"), max_epochs=1))
+    folder = tmp_path / "run" / "lightning_logs" / "version_0" / "checkpoints"
+    leftover = folder / ".epoch=0-step=4.ckpt.tmp-dead"
+    leftover.write_bytes(b"half a checkpoint")
+    messages = []
+    trainer = _trainer(str(tmp_path / "run"), max_epochs=2)
+    trainer._printer = messages.append
+    _fit(trainer, ckpt_path="last")
+    assert not leftover.exists()
+    assert any("Removed 1 partial checkpoint file" in m for m in messages)
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / ".a.ckpt.tmp-dead").write_bytes(b"x")
+    _fit(_trainer(str(tmp_path / "run2"), callbacks=[ModelCheckpoint(dirpath=str(own))]))
+    assert not (own / ".a.ckpt.tmp-dead").exists() and list(own.glob("*.ckpt"))
+
+
+def test_only_the_primary_process_removes_partial_files(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    leftover = folder / ".a.ckpt.tmp-dead"
+    leftover.write_bytes(b"x")
+    assert _checkpointing(tmp_path, _Rank1()).resolve("last", [], None, fn="fit") is None
+    assert leftover.exists()
+    assert _checkpointing(tmp_path).resolve("last", [], None, fn="fit") is None
+    assert not leftover.exists()

@@ -99,11 +99,22 @@ def _struct_class(name: str) -> type:
 
 
 def decode(data: Any, path: str = "") -> Any:
-    """The value ``encode`` turned into ``data``."""
+    """The value ``encode`` turned into ``data``; a malformed node is a ``CheckpointError``
+    naming its path."""
     if not isinstance(data, dict):
         if isinstance(data, (list, tuple)):
             raise CheckpointError(f"malformed checkpoint at {path or 'the root'}: bare sequence")
         return data
+    try:
+        return _decode_node(data, path)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+        detail = f"{type(err).__name__}: {err}"
+        raise CheckpointError(
+            f"malformed checkpoint at {path or 'the root'}: {detail[:200]}"
+        ) from None
+
+
+def _decode_node(data: dict[str, Any], path: str) -> Any:
     kind = data.get(_KIND)
     if kind == "dict":
         return {k: decode(v, f"{path}[{k!r}]") for k, v in data["items"]}

@@ -11,7 +11,6 @@ objects is refused with advice rather than unpickled.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,10 +19,25 @@ from torch import nn
 
 from engine.state import TrainState
 
-from . import storage
 from .codec import CheckpointError
+from .safe_load import torch_load
 
 __all__ = ["export_state_dict", "load_weights", "read_state_dict"]
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """``slot name -> canonical name`` for every parameter and buffer slot of ``model``.
+
+    A tensor reachable under several names (tied weights) is stored in a state once, under
+    the first name ``named_parameters`` / ``named_buffers`` give it: its canonical name.
+    """
+    canonical: dict[int, str] = {}
+    slots: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        for name, tensor in named(remove_duplicate=False):
+            if tensor is not None:
+                slots[name] = canonical.setdefault(id(tensor), name)
+    return slots
 
 
 def export_state_dict(state: TrainState, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -31,15 +45,7 @@ def export_state_dict(state: TrainState, model: nn.Module | None = None) -> dict
     tensors = {**state.params, **state.buffers}
     if model is None:
         return dict(tensors)
-    canonical: dict[int, str] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        canonical.setdefault(id(t), name)
-    by_slot = {}
-    for name, t in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        by_slot[name] = canonical[id(t)]
+    by_slot = _canonical_names(model)
     out = {}
     for key in model.state_dict(keep_vars=True):
         source = by_slot.get(key)
@@ -54,19 +60,12 @@ def read_state_dict(source: Any, storage_options: dict[str, Any] | None = None) 
     if isinstance(source, Mapping):
         data: Any = dict(source)
     else:
-        url = str(source)
-        with storage.open_read(url, storage_options=storage_options) as f:
-            try:
-                data = torch.load(f, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as err:
-                raise CheckpointError(
-                    f"refusing to load {url}: it holds Python objects besides tensors (nothing "
-                    "from it was run). If you trust the file, extract the weights once: "
-                    "torch.save(torch.load(path, weights_only=False)['state_dict'], 'w.pt'). "
-                    f"Detail: {str(err).splitlines()[-1][:200]}"
-                ) from None
-            except (RuntimeError, EOFError, ValueError) as err:
-                raise CheckpointError(f"{url} is corrupt or truncated: {err}") from None
+        data = torch_load(
+            str(source),
+            storage_options=storage_options,
+            advice="If you trust the file, extract the weights once: "
+            "torch.save(torch.load(path, weights_only=False)['state_dict'], 'w.pt'). ",
+        )
     if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
         data = dict(data["state_dict"])
     if not isinstance(data, Mapping) or not all(isinstance(v, torch.Tensor) for v in data.values()):
@@ -101,27 +100,23 @@ def load_weights(
     optimizer state is left alone (fresh training from these weights).
     """
     sd = read_state_dict(source)
-    names = {**{n: "params" for n in state.params}, **{n: "buffers" for n in state.buffers}}
-    slot_names = dict(zip(names, names))
-    for name, t in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        canonical = next(
-            (n for n, u in [*model.named_parameters(), *model.named_buffers()] if u is t), name
-        )
-        slot_names.setdefault(name, canonical)
+    kinds = {**{n: "params" for n in state.params}, **{n: "buffers" for n in state.buffers}}
+    slot_names = {**{n: n for n in kinds}, **_canonical_names(model)}
+    # What the source must cover: the model's state_dict (persistent tensors only; the
+    # state keeps its own values of non-persistent buffers), by canonical name.
+    required = {slot_names[k] for k in model.state_dict(keep_vars=True) if k in slot_names}
     keys = list(sd)
     cut = _strip_prefix(keys, set(slot_names)) if prefix is None else prefix
-    params, buffers = dict(state.params), dict(state.buffers)
+    tables = {"params": dict(state.params), "buffers": dict(state.buffers)}
     problems, seen = [], set()
     for key in keys:
         name = key[len(cut) :] if cut and key.startswith(cut) else key
         target = slot_names.get(name)
-        if target is None:
+        kind = kinds.get(target) if target is not None else None
+        if kind is None:
             problems.append(f"{key}: not in the model")
             continue
-        table = params if names.get(target) == "params" else buffers
+        table = tables[kind]
         current = table[target]
         value = sd[key]
         if value.shape != current.shape:
@@ -129,14 +124,13 @@ def load_weights(
                 f"{key}: shape {tuple(value.shape)} vs {tuple(current.shape)} in the model"
             )
             continue
-        table[target] = value.detach().to(device=current.device, dtype=current.dtype).clone()
+        table[target] = value.detach().to(device=current.device, dtype=current.dtype, copy=True)
         seen.add(target)
-    missing = [n for n in names if n not in seen]
-    problems += [f"{n}: missing in the source" for n in missing]
+    problems += [f"{n}: missing in the source" for n in kinds if n in required and n not in seen]
     if problems and strict:
         raise CheckpointError(
             f"the weights do not match the model ({len(problems)} differences):\n  "
             + "\n  ".join(problems)
             + "\nPass strict=False to load what matches."
         )
-    return state.replace(params=params, buffers=buffers)
+    return state.replace(params=tables["params"], buffers=tables["buffers"])

@@ -166,7 +166,10 @@ def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
 
 
 def remove_partial(folder: str, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Delete temporary files a killed writer left in ``folder``; return their paths."""
+    """Delete temporary files a killed writer left in ``folder``; return their paths.
+
+    Call it only when no live writer uses ``folder`` (a live write's temporary file would be
+    deleted under it): the Trainer does, on the primary process, before it writes there."""
     fs, path = filesystem(folder, storage_options)
     if not fs.exists(path):
         return []
@@ -174,6 +177,9 @@ def remove_partial(folder: str, storage_options: dict[str, Any] | None = None) -
     for entry in fs.ls(path, detail=False):
         name = entry.rsplit("/", 1)[-1]
         if name.startswith(".") and ".tmp-" in name:
-            fs.rm(entry)
+            try:
+                fs.rm(entry)
+            except FileNotFoundError:  # its writer finished (renamed it) or removed it
+                continue
             removed.append(entry)
     return removed
