@@ -32,7 +32,38 @@ from . import loop_state
 from .callbacks.base import Callback
 from .events import Context, Requests, Stage, dispatch, handlers_for
 
-__all__ = ["Driver", "print_message"]
+__all__ = ["Driver", "prepare", "print_message"]
+
+
+def prepare(
+    fn: str,
+    driver: Driver | None,
+    config: Any,
+    *,
+    callbacks: Sequence[Callback] = (),
+    loggers: Sequence[Any] = (),
+    observers: Sequence[Any] = (),
+) -> tuple[Driver, Any]:
+    """The driver and config a plain ``loops.fit`` / ``evaluate`` / ``predict`` call runs
+    with: the given driver (its config must agree with ``config``) or one built from the
+    callbacks, loggers and observers; Lightning's default config when none is given."""
+    from .config import default_config
+
+    if driver is None:
+        config = config if config is not None else default_config()
+        driver = Driver(
+            fn=fn, callbacks=callbacks, loggers=loggers, observers=observers, config=config
+        )
+    elif config is not None and driver.config is not None and config != driver.config:
+        raise ValueError(
+            "the config given differs from the driver's: the loop and its callbacks would "
+            "follow different flags; pass one of them"
+        )
+    config = config if config is not None else driver.config
+    if config is None:
+        config = default_config()
+        driver.config = config
+    return driver, config
 
 
 def print_message(text: str) -> None:

@@ -26,7 +26,7 @@ from engine.step import _batch_size
 
 from . import aggregate, loop_state, schedule
 from .data import length
-from .driver import Driver
+from .driver import Driver, prepare
 from .events import Stage
 
 __all__ = ["run_evaluation", "test", "validate"]
@@ -164,20 +164,14 @@ def evaluate(
     and ``(state, [])`` is returned; other exceptions propagate after the same handling
     (loggers finalized "failed").
     """
-    from .config import LoopConfig
     from .data import as_list
 
     if stage not in (Stage.VALIDATE, Stage.TEST):
         raise ValueError(f"evaluate: stage must be {Stage.VALIDATE!r} or {Stage.TEST!r}")
     fn = "validate" if stage == Stage.VALIDATE else "test"
-    if driver is None:
-        config = config if config is not None else LoopConfig.create()
-        driver = Driver(
-            fn=fn, callbacks=callbacks, loggers=loggers, observers=observers, config=config
-        )
-    config = config if config is not None else driver.config
-    if config is None:
-        config = LoopConfig.create()
+    driver, config = prepare(
+        fn, driver, config, callbacks=callbacks, loggers=loggers, observers=observers
+    )
     driver.set_default_extra(model=getattr(step, "model", None), num_loggers=len(driver.loggers))
     sources = as_list(data)
     if max_batches is None:

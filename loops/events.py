@@ -85,7 +85,9 @@ class Requests:
     """What callbacks ask the driver to do; ``a | b`` merges two sets of requests in order.
 
     ``stop``: end training at the next point the loop may stop (``min_epochs``/``min_steps``
-    still apply); ``log``: values to send to the loggers and to the metrics callbacks see;
+    still apply); ``log``: values to send to the loggers and to the metrics callbacks see
+    (written at once as their own row at the current logger step, as Lightning's callbacks
+    write directly to loggers; values logged at epoch-end events join the epoch's row);
     ``save``: checkpoint files to write with the current state; ``save_weights``: files to
     write with the weights only (parameters and buffers); ``remove``: files to delete after
     the saves; ``link``: ``(target, link)`` pairs (``link`` points at ``target``);

@@ -26,7 +26,7 @@ from engine.state import TrainState
 from . import aggregate, loop_state, schedule
 from .callbacks.base import init_states
 from .data import length
-from .driver import Driver
+from .driver import Driver, prepare
 from .evaluate import run_evaluation
 from .events import Stage
 
@@ -456,17 +456,11 @@ def fit(
     ``driver`` replaces the one built from ``callbacks``, ``loggers`` and ``observers``.
     Returns the final state.
     """
-    from .config import LoopConfig
     from .data import Batches, as_list, source
 
-    if driver is None:
-        config = config if config is not None else LoopConfig.create()
-        driver = Driver(
-            fn="fit", callbacks=callbacks, loggers=loggers, observers=observers, config=config
-        )
-    config = config if config is not None else driver.config
-    if config is None:
-        config = LoopConfig.create()
+    driver, config = prepare(
+        "fit", driver, config, callbacks=callbacks, loggers=loggers, observers=observers
+    )
     train = train if isinstance(train, Batches) else source(train)
     val_sources = as_list(val) if val is not None and not _empty(val) else []
     loop = FitLoop(

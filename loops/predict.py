@@ -15,7 +15,7 @@ from engine.tree import map as tree_map
 
 from . import schedule
 from .data import length
-from .driver import Driver
+from .driver import Driver, prepare
 from .events import Stage
 
 __all__ = ["predict", "run_prediction"]
@@ -104,17 +104,11 @@ def predict(
     ``on_exception`` handlers run and ``(state, [])`` is returned; other exceptions
     propagate after the same handling.
     """
-    from .config import LoopConfig
     from .data import as_list
 
-    if driver is None:
-        config = config if config is not None else LoopConfig.create()
-        driver = Driver(
-            fn="predict", callbacks=callbacks, loggers=loggers, observers=observers, config=config
-        )
-    config = config if config is not None else driver.config
-    if config is None:
-        config = LoopConfig.create()
+    driver, config = prepare(
+        "predict", driver, config, callbacks=callbacks, loggers=loggers, observers=observers
+    )
     driver.set_default_extra(model=getattr(step, "model", None), num_loggers=len(driver.loggers))
     sources = as_list(data)
     if max_batches is None:

@@ -78,6 +78,7 @@ class Checkpointing:
         self.signals = tuple(signals)
         self.saver = ck.AsyncCheckpointer() if async_save else None
         self._signal: int | None = None
+        self._logger_cache: tuple[Any, list[Any]] | None = None
         # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.
         self._resolved: tuple[str, dict[str, Any]] | None = None
         self._cleaned: set[str] = set()
@@ -89,9 +90,19 @@ class Checkpointing:
             "fn": driver.fn,
             "flags": self.config.flags,
             "elapsed": driver.elapsed(),
-            "loggers": [logger.state() for logger in self.loggers],
+            "loggers": self._logger_states(driver),
             "weights_only": weights_only,
         }
+
+    def _logger_states(self, driver: Any) -> list[Any]:
+        """The loggers' resume states, taken once per commit (a TensorBoard state closes
+        its event file, so several saves in one commit must not take it again)."""
+        commit = driver.last_commit
+        if commit is None:  # a save outside a loop (Trainer.save_checkpoint)
+            return [logger.state() for logger in self.loggers]
+        if self._logger_cache is None or self._logger_cache[0] is not commit:
+            self._logger_cache = (commit, [logger.state() for logger in self.loggers])
+        return self._logger_cache[1]
 
     def save(self, state: Any, path: str, driver: Any) -> None:
         """Write ``state`` to ``path`` (the driver's checkpointer)."""
@@ -168,13 +179,9 @@ class Checkpointing:
         if self.loggers and getattr(self.loggers[0], "root_dir", None):
             root = self.loggers[0].root_dir
             fs, path = ck.storage.filesystem(root)
-            if fs.exists(path):
-                versions = [
-                    e
-                    for e in fs.ls(path, detail=False)
-                    if e.rsplit("/", 1)[-1].startswith("version_")
-                ]
-                found += [_with_protocol(root, v) + "/checkpoints" for v in sorted(versions)]
+            if fs.exists(path):  # every run folder: version_N and named versions alike
+                runs = [e["name"] for e in fs.ls(path, detail=True) if e.get("type") == "directory"]
+                found += [_with_protocol(root, run) + "/checkpoints" for run in sorted(runs)]
         found.append(self.root_dir.rstrip("/") + "/checkpoints")
         return list(dict.fromkeys(found))
 
@@ -192,14 +199,7 @@ class Checkpointing:
         if ckpt_path is None:
             return None
         if ckpt_path == "last":
-            folders = self.folders(callbacks, state)
-            self.remove_partial(folders, say=say)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                self._resolved = ck.read_latest(folders)
-            for w in caught:
-                if say is not None:
-                    say(str(w.message))
+            self._resolved = self._latest(callbacks, state, say)
             if self._resolved is None:
                 if say is not None:
                     say('ckpt_path="last" is set, but there is no checkpoint yet: starting fresh.')
@@ -218,6 +218,25 @@ class Checkpointing:
                 "Trainer's fit; pass a path instead"
             )
         return os.fspath(ckpt_path)
+
+    def _latest(self, callbacks: Sequence[Any], state: TrainState | None, say: Any):
+        """``(url, payload)`` of the newest checkpoint a run can resume from (weights-only
+        files skipped). Rank 0 chooses; the other processes read the same file."""
+        found = None
+        if self.strategy.is_primary:
+            folders = self.folders(callbacks, state)
+            self.remove_partial(folders, say=say)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                found = ck.read_latest(folders, accept=_resumable)
+            for w in caught:
+                if say is not None:
+                    say(str(w.message))
+        if self.strategy.world_size > 1:
+            url = self.strategy.broadcast_object(found[0] if found else None, 0)
+            if url is not None and found is None:
+                found = (url, ck.read(url))
+        return found
 
     # ------------------------------------------------------------------ restoring
 
@@ -280,8 +299,7 @@ class Checkpointing:
                 flag = self.strategy.reduce_flag(flag, "any")
             if not flag:
                 return
-            folder = self.folders(callbacks, state)[0]
-            path = folder.rstrip("/") + "/last.ckpt"
+            path = self._preemption_path(callbacks, state, drv)
             self.save(state, path, drv)
             self.wait()
             drv.say(
@@ -298,8 +316,28 @@ class Checkpointing:
             for signum, previous in installed.items():
                 signal.signal(signum, previous)
 
+    def _preemption_path(self, callbacks: Sequence[Any], state: TrainState, driver: Any) -> str:
+        """``last.ckpt`` in this run's checkpoint folder: the checkpoint callback's, else the
+        run folder's ``checkpoints``."""
+        for cb in callbacks:
+            if isinstance(cb, ModelCheckpoint):
+                folder = state.callbacks.get(cb.key, {}).get("dirpath") or cb.dirpath
+                if folder:
+                    return folder.rstrip("/") + "/last.ckpt"
+        root = driver.log_dir or self.root_dir
+        return root.rstrip("/") + "/checkpoints/last.ckpt"
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
+
+
+def _resumable(payload: dict[str, Any]) -> bool:
+    """Whether a checkpoint's payload can resume training (not a weights-only file)."""
+    meta = payload.get("metadata")
+    try:
+        return not ck.decode(meta, "metadata").get("weights_only", False)
+    except (ck.CheckpointError, AttributeError):
+        return True
 
 
 def _with_protocol(root: str, path: str) -> str:

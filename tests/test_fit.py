@@ -677,3 +677,21 @@ def test_resuming_after_a_stop_request_matches(stop_index):
     assert resumed.progress.epoch == full.progress.epoch
     assert resumed.progress.step == full.progress.step
     assert_trees_equal(resumed.params, full.params)
+
+
+def test_a_driver_and_a_different_config_are_refused():
+    from loops import Driver, LoopConfig, fit
+
+    driver = Driver(fn="fit", config=LoopConfig.create(max_epochs=1))
+    model = torch.nn.Linear(4, 2)
+    opt = optim.sgd(0.1)
+    step = engine.train_step(model, lambda apply, b: apply(b[0]).pow(2).mean(), opt)
+    data = (torch.randn(8, 4), torch.randn(8, 2))
+    with pytest.raises(ValueError, match="differs from the driver's"):
+        fit(
+            engine.init(model, opt),
+            step,
+            data,
+            driver=driver,
+            config=LoopConfig.create(max_epochs=2),
+        )

@@ -250,3 +250,52 @@ def test_only_the_primary_process_removes_partial_files(tmp_path):
     assert leftover.exists()
     assert _checkpointing(tmp_path).resolve("last", [], None, fn="fit") is None
     assert not leftover.exists()
+
+
+def test_last_skips_weights_only_files_and_finds_named_versions(tmp_path):
+    weights = ModelCheckpoint(
+        name="weights", save_weights_only=True, every_n_train_steps=1, save_top_k=-1
+    )
+    full = ModelCheckpoint(name="full", every_n_epochs=1)
+    root = str(tmp_path)
+    first = _trainer(
+        root, max_epochs=1, logger=CSVLogger(root, version="run_a"), callbacks=[full, weights]
+    )
+    _fit(first)
+    messages = []
+    again = _trainer(
+        root, max_epochs=2, logger=CSVLogger(root, version="run_a"), callbacks=[full, weights]
+    )
+    again._printer = messages.append
+    state = _fit(again, ckpt_path="last")  # newest files are weights-only: skipped
+    assert any(
+        "Restored the training state from" in m and "epoch=0-step=4.ckpt" in m for m in messages
+    )
+    assert state.progress.epoch == 2
+
+
+def test_preemption_writes_into_this_runs_folder(tmp_path):
+    import signal
+
+    from loops.callbacks import LambdaCallback
+    from loops.resume import Preempted
+
+    root = str(tmp_path)
+    for old in ("version_0", "version_2", "version_10"):
+        (tmp_path / "lightning_logs" / old).mkdir(parents=True)
+
+    def preempt(ctx):
+        if ctx.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = _trainer(
+        root,
+        enable_checkpointing=False,
+        callbacks=[LambdaCallback(on_train_batch_end=preempt)],
+    )
+    trainer._printer = lambda s: None
+    with pytest.raises(Preempted) as info:
+        _fit(trainer)
+    assert info.value.code == 75
+    assert info.value.path.endswith("lightning_logs/version_11/checkpoints/last.ckpt")
+    assert checkpoint.load(info.value.path)[0].progress.step == 2

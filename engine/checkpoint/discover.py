@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import storage
@@ -60,10 +60,12 @@ def read_latest(
     *,
     commit: str = "auto",
     storage_options: dict[str, Any] | None = None,
+    accept: Callable[[dict[str, Any]], bool] | None = None,
 ) -> tuple[str, dict[str, Any]] | None:
     """``(url, payload)`` of the newest checkpoint across ``folders`` that reads, or None.
 
-    Each broken candidate is skipped with a warning naming it. The payload is what ``read``
+    Each broken candidate is skipped with a warning naming it; ``accept(payload)`` may
+    skip more (e.g. weights-only files when resuming). The payload is what ``read``
     returns; restore from it with ``load_payload`` instead of reading the file again. Equal
     modification times keep the order of ``folders``.
     """
@@ -78,6 +80,8 @@ def read_latest(
             payload = read(url, commit=commit, storage_options=storage_options)
         except (CheckpointError, OSError) as err:
             warnings.warn(f"skipping checkpoint {url}: {err}", stacklevel=2)
+            continue
+        if accept is not None and not accept(payload):
             continue
         return url, payload
     return None
