@@ -119,13 +119,22 @@ def _full_name(name: str, stage: str) -> str:
     return name if name.startswith(prefix) else prefix + name
 
 
-def resolve(values: Mapping[str, Any], stage: str) -> dict[str, tuple[MetricSpec, Any]]:
-    """``{full name: (spec, raw value)}`` for a step's values at ``stage``."""
-    training = stage == "train"
-    out: dict[str, tuple[MetricSpec, Any]] = {}
-    for name, value in values.items():
-        opts = value if isinstance(value, Logged) else None
-        raw = value.value if opts is not None else value
+_SPECS: dict[tuple, tuple[str, MetricSpec]] = {}
+
+
+def _spec(name: str, stage: str, opts: Logged | None) -> tuple[str, MetricSpec]:
+    """``(full name, spec)`` for a value logged under ``name`` at ``stage`` (memoised: the
+    same names and options come back every batch)."""
+    key = (
+        stage,
+        name,
+        None
+        if opts is None
+        else (opts.on_step, opts.on_epoch, opts.reduce, opts.prog_bar, opts.logger),
+    )
+    found = _SPECS.get(key)
+    if found is None:
+        training = stage == "train"
         on_step = opts.on_step if opts and opts.on_step is not None else training
         on_epoch = opts.on_epoch if opts and opts.on_epoch is not None else not training
         prog_bar = opts.prog_bar if opts and opts.prog_bar is not None else name == "loss"
@@ -136,7 +145,17 @@ def resolve(values: Mapping[str, Any], stage: str) -> dict[str, tuple[MetricSpec
             prog_bar=prog_bar,
             logger=opts.logger if opts else True,
         )
-        full = _full_name(name, stage)
+        found = _SPECS[key] = (_full_name(name, stage), spec)
+    return found
+
+
+def resolve(values: Mapping[str, Any], stage: str) -> dict[str, tuple[MetricSpec, Any]]:
+    """``{full name: (spec, raw value)}`` for a step's values at ``stage``."""
+    out: dict[str, tuple[MetricSpec, Any]] = {}
+    for name, value in values.items():
+        opts = value if isinstance(value, Logged) else None
+        raw = value.value if opts is not None else value
+        full, spec = _spec(name, stage, opts)
         if isinstance(raw, torch.Tensor) and raw.dim() == 1 and raw.numel() > 1:
             # one value per ensemble member: each member's, and their mean under the name
             values = raw.detach()
@@ -159,6 +178,8 @@ def _scalar(raw: Any) -> torch.Tensor:
                 f"a logged tensor must have one element, got shape {tuple(raw.shape)}; "
                 "reduce it in the step or return an engine.metrics metric"
             )
+        if raw.dim() == 0 and not raw.requires_grad:
+            return raw
         return raw.detach().reshape(())
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
         return torch.tensor(float(raw))

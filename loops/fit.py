@@ -350,7 +350,7 @@ class FitLoop:
         loop = loop_state.get(state)
         loop = loop.replace(
             train_epoch=aggregate.accumulate(loop.train_epoch, resolved, grads.batch_size),
-            train_specs={**loop.train_specs, **aggregate.specs_of(resolved)},
+            train_specs=_merged_specs(loop.train_specs, resolved),
             callback_metrics={**loop.callback_metrics, **to_callbacks},
         )
         self.state = loop_state.put(state, loop)
@@ -433,6 +433,16 @@ class FitLoop:
         self._record(train_epoch={})
         drv.logger_step = self.state.progress.step
         drv.commit(self.state)
+
+
+def _merged_specs(
+    known: dict[str, aggregate.MetricSpec], resolved: dict[str, tuple[aggregate.MetricSpec, Any]]
+) -> dict[str, aggregate.MetricSpec]:
+    """``known`` with this batch's specs; the same dict when nothing changed (the usual)."""
+    for name, (spec, _) in resolved.items():
+        if known.get(name) is not spec:
+            return {**known, **aggregate.specs_of(resolved)}
+    return known
 
 
 def fit(

@@ -469,8 +469,12 @@ class Trainer:
                 torch.autograd.set_detect_anomaly(True)
             yield
         finally:
-            torch.use_deterministic_algorithms(previous_det, warn_only=previous_warn)
-            torch.autograd.set_detect_anomaly(previous_anomaly, check_nan=previous_anomaly_nan)
+            # restore only what was changed: the first use_deterministic_algorithms call of
+            # a process imports a large part of torch (seconds)
+            if self.deterministic is not None:
+                torch.use_deterministic_algorithms(previous_det, warn_only=previous_warn)
+            if self.detect_anomaly:
+                torch.autograd.set_detect_anomaly(previous_anomaly, check_nan=previous_anomaly_nan)
 
     # ------------------------------------------------------------------ fit
 
@@ -556,6 +560,7 @@ class Trainer:
             opt,
             strategy=self.strategy,
             accumulate=lambda p: schedule.accumulation_factor(config, p.epoch),
+            grad_norm=False,  # nothing in the loops reads it; callbacks see the gradients
         )
         evaluate_step = (
             engine.eval_step(net, task.validation_step, strategy=self.strategy)

@@ -40,7 +40,7 @@ def train_epoch(bar, epoch, n, metrics=None, **kw):
 
 def test_train_bar_shows_epoch_counts_and_metrics():
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     train_epoch(bar, 3, 4, {"loss": 0.25, "acc": torch.tensor(0.5)})
     text = out.getvalue()
     assert "Epoch 3" in text and "4/4" in text
@@ -66,7 +66,7 @@ def test_refresh_rate_limits_redraws_and_metric_formatting():
 
     metrics = Counting()
     out = io.StringIO()
-    bar = ProgressBar(refresh_rate=3, file=out)
+    bar = ProgressBar(refresh_rate=3, file=out, min_interval=0)
     train_epoch(bar, 0, 7, metrics)
     text = out.getvalue()
     assert "3/7" in text and "6/7" in text and "7/7" in text  # every 3rd and the last batch
@@ -75,9 +75,18 @@ def test_refresh_rate_limits_redraws_and_metric_formatting():
     assert metrics.reads == 4
 
 
+def test_min_interval_throttles_redraws_but_always_draws_the_last_batch():
+    out = io.StringIO()
+    bar = ProgressBar(file=out, min_interval=3600)
+    train_epoch(bar, 0, 7, {"loss": 1.0})
+    text = out.getvalue()
+    assert "1/7" in text and "7/7" in text  # the first due batch and the last
+    assert not any(f"{n}/7" in text for n in range(2, 7))
+
+
 def test_validation_and_sanity_bars():
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     for stage, title in [("sanity_check", "Sanity Checking"), ("validate", "Validation")]:
         bar.on_event("on_validation_start", _ctx(stage=stage))
         for i in range(3):
@@ -91,7 +100,7 @@ def test_validation_and_sanity_bars():
 
 def test_second_dataloader_resets_the_bar():
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     bar.on_event("on_validation_start", _ctx(stage="validate"))
     for dl, n in [(0, 2), (1, 5)]:
         for i in range(n):
@@ -106,7 +115,7 @@ def test_second_dataloader_resets_the_bar():
 )
 def test_test_and_predict_bars(prefix, stage, title):
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     bar.on_event(f"on_{prefix}_start", _ctx(stage=stage, fn=stage))
     for i in range(2):
         ctx = _ctx(stage=stage, fn=stage, batch_idx=i, num_batches=2, is_last_batch=i == 1)
@@ -117,7 +126,7 @@ def test_test_and_predict_bars(prefix, stage, title):
 
 def test_validation_metrics_reach_the_train_bar():
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     bar.on_event("on_train_epoch_start", _ctx(num_batches=2))
     bar.on_event("on_validation_start", _ctx(stage="validate"))
     extra = {"progress_bar_metrics": {"val_loss": 0.125}}
@@ -139,14 +148,14 @@ def test_leave_keeps_one_bar_per_epoch():
 
 def test_resumed_epoch_starts_at_its_data_position():
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     bar.on_event("on_train_epoch_start", _ctx(state=_state(0, 3), num_batches=5))
     assert bar.train_bar.n == 3
 
 
 def test_unknown_total_and_ignored_events():
     out = io.StringIO()
-    bar = ProgressBar(file=out)
+    bar = ProgressBar(file=out, min_interval=0)
     bar.on_event("on_train_epoch_start", _ctx(num_batches=float("inf")))
     bar.on_event("on_train_batch_end", _ctx(batch_idx=0, num_batches=float("inf")))
     bar.on_event("on_before_optimizer_step", _ctx())  # not drawn

@@ -4,13 +4,15 @@ Drawing on a terminal is an effect, so the bar is not a ``Callback`` with state 
 training state: the driver calls ``on_event(event, ctx)`` after each event and the bar draws.
 One training bar (``Epoch N``, reset every epoch, showing the progress-bar metrics from
 ``ctx.extra["progress_bar_metrics"]``), and a bar per validation, sanity-check, test and
-predict run. Between refreshes (``refresh_rate``) a batch costs one modulo.
+predict run. Bars redraw every ``refresh_rate`` batches and at most every ``min_interval``
+seconds; between redraws a batch costs a modulo and a clock read.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -41,15 +43,26 @@ def _total(num_batches: Any, dataloader_idx: int = 0) -> int | None:
 class ProgressBar:
     """Progress bars driven by loop events (``on_event(event, ctx)``).
 
-    ``refresh_rate``: redraw every this many batches (``0`` disables the bars); ``leave``:
+    ``refresh_rate``: redraw every this many batches (``0`` disables the bars);
+    ``min_interval``: at most one redraw per this many seconds (0: every due batch); ``leave``:
     keep each finished epoch's training bar on screen (else one bar is reused and the last
     epoch's stays); ``file``: where to draw (stderr by default). Only rank 0 draws.
     """
 
-    def __init__(self, refresh_rate: int = 1, leave: bool = False, file: IO[str] | None = None):
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        leave: bool = False,
+        file: IO[str] | None = None,
+        min_interval: float = 0.1,
+    ):
         if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
             raise ValueError(f"ProgressBar(refresh_rate={refresh_rate!r}) must be an int >= 0")
+        if not min_interval >= 0:
+            raise ValueError(f"ProgressBar(min_interval={min_interval!r}) must be >= 0 seconds")
         self.refresh_rate = refresh_rate
+        self.min_interval = float(min_interval)
+        self._last_draw = -math.inf
         self.leave = leave
         self.file = file
         self.train_bar: tqdm | None = None
@@ -99,7 +112,17 @@ class ProgressBar:
         )
 
     def _due(self, n: int, total: int | None) -> bool:
-        return n % self.refresh_rate == 0 or n == total
+        """Redraw every ``refresh_rate`` batches, at most every ``min_interval`` seconds
+        (always on the last batch)."""
+        if n == total:
+            return True
+        if n % self.refresh_rate:
+            return False
+        now = time.monotonic()
+        if now - self._last_draw < self.min_interval:
+            return False
+        self._last_draw = now
+        return True
 
     @staticmethod
     def _show_metrics(bar: tqdm, ctx: Context) -> None:
