@@ -4,15 +4,16 @@ Every piece of training state is a pytree. ``@struct`` turns a class into a froz
 that optree flattens (in the ``purestep`` namespace): ordinary fields are children, fields
 declared with ``field(static=True)`` (functions, names, config) travel in the tree definition
 and are never treated as leaves. The helpers are the handful the rest of the code needs:
-map, leaves, zeros_like, global norm, cast, move to device, and comparisons of two trees that
-name the first paths that differ (every parity test uses them).
+map, leaves, zeros_like, the global norm (and combining per-tensor norms), cast, move to
+device, and comparisons of two trees that name the first paths that differ (every parity
+test uses them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import optree
@@ -34,6 +35,8 @@ __all__ = [
     "assert_trees_close",
     "assert_trees_equal",
     "cast",
+    "combine_norms",
+    "device_dtype_groups",
     "diff",
     "field",
     "flatten_with_paths",
@@ -168,10 +171,14 @@ def zeros_like(tree: PyTree) -> PyTree:
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
-    """The L2 norm of all tensor leaves taken together.
+    """The L2 norm of all tensor leaves taken together, bitwise as ``clip_grad_norm_`` gives it.
 
-    Computed as ``torch.nn.utils.clip_grad_norm_`` does (per-tensor norms, then the norm of
-    those), so it agrees with it bitwise.
+    Per-tensor norms from ``torch._foreach_norm``, then ``combine_norms``: torch's own
+    arithmetic. Tensors of several devices or dtypes are handed to torch's public
+    ``torch.nn.utils.get_total_norm`` (torch >= 2.6): torch orders its device/dtype groups
+    by an internal hash table, not by first appearance, and that order changes the last bit
+    of the final reduction. Older torch gets first-appearance groups (equal to rounding).
+    The result is on the first tensor's device.
     """
     if isinstance(tree, dict):
         tensors = [x for x in tree.values() if isinstance(x, torch.Tensor)]
@@ -181,8 +188,56 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         tensors = [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
     if not tensors:
         return torch.tensor(0.0)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    if _one_group(tensors):
+        return combine_norms(torch._foreach_norm(tensors, 2.0))
+    if _TOTAL_NORM is not None:
+        return _TOTAL_NORM(tensors, 2.0)
+    norms: list[torch.Tensor] = []
+    for group in device_dtype_groups(tensors):
+        norms.extend(torch._foreach_norm([tensors[i] for i in group], 2.0))
+    return combine_norms(norms)
+
+
+def combine_norms(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of per-tensor L2 norms, in the given order (``clip_grad_norm_``'s last step).
+
+    ``combine_norms(torch._foreach_norm(tensors, 2.0))`` is bitwise ``global_norm(tensors)``
+    when the tensors share one device and dtype. Norms on other devices are moved to the
+    first one's. Each norm may also be a vector (say one entry per ensemble member): the
+    result then has that shape, entry ``i`` combining the ``i``-th entries, bitwise as the
+    0-d norms of that entry alone would combine (tested on the CPU).
+    """
+    if not norms:
+        return torch.tensor(0.0)
+    first = norms[0].device
+    for n in norms:
+        if n.device != first:
+            norms = [n.to(first) for n in norms]
+            break
+    if norms[0].dim() == 0:
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)  # torch's exact call
+    return torch.linalg.vector_norm(torch.stack(norms, dim=-1), 2.0, dim=-1)
+
+
+def device_dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), groups in order of first appearance.
+
+    Elementwise ``torch._foreach_*`` kernels run fastest on one group at a time.
+    """
+    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault((t.device, t.dtype), []).append(i)
+    return list(out.values())
+
+
+def _one_group(tensors: Sequence[torch.Tensor]) -> bool:
+    first = tensors[0]
+    dtype, device = first.dtype, first.device
+    return all(t.dtype == dtype and t.device == device for t in tensors)
+
+
+# Public since torch 2.6; the total norm exactly as ``clip_grad_norm_`` computes it.
+_TOTAL_NORM: Callable[..., torch.Tensor] | None = getattr(torch.nn.utils, "get_total_norm", None)
 
 
 def cast(tree: PyTree, dtype: torch.dtype) -> PyTree:
@@ -232,21 +287,27 @@ def _leaf_problem(a: Any, b: Any, rtol: float, atol: float) -> str | None:
     if exact and torch.equal(a, b):
         return None
     if a.is_floating_point() or a.is_complex():
-        x, y = a.detach().double(), b.detach().double()
+        x, y = _as_real(a), _as_real(b)
         both_nan = x.isnan() & y.isnan()
         if exact:
             bad = (x != y) & ~both_nan
         else:
             bad = ((x - y).abs() > atol + rtol * y.abs()) & ~both_nan
             bad |= x.isnan() ^ y.isnan()
+            # An infinity matches only the same infinity (|inf - -inf| <= rtol * inf holds).
+            bad |= (x != y) & (x.isinf() | y.isinf()) & ~both_nan
+        if a.is_complex():
+            bad = bad.any(dim=-1)  # an element differs when its real or imaginary part does
         if not bool(bad.any()):
             return None
         n_bad = int(bad.sum())
         idx = tuple(int(i) for i in bad.nonzero()[0]) if a.dim() else ()
-        max_abs = float((x - y).abs()[bad].max()) if n_bad else 0.0
+        gap = (x - y).abs().amax(dim=-1) if a.is_complex() else (x - y).abs()
+        max_abs = float(gap[bad].max())
+        first_a, first_b = a.detach()[idx].item(), b.detach()[idx].item()
         return (
             f"{n_bad}/{a.numel()} elements differ, max |a-b| = {max_abs:.3g}, "
-            f"first at {list(idx)}: {float(x[idx]):.9g} vs {float(y[idx]):.9g}"
+            f"first at {list(idx)}: {first_a:.9g} vs {first_b:.9g}"
         )
     bad = a != b
     n_bad = int(bad.sum())
@@ -254,6 +315,14 @@ def _leaf_problem(a: Any, b: Any, rtol: float, atol: float) -> str | None:
         return None
     idx = tuple(int(i) for i in bad.nonzero()[0]) if a.dim() else ()
     return f"{n_bad}/{a.numel()} elements differ, first at {list(idx)}: {a[idx]!r} vs {b[idx]!r}"
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 for comparison; a complex tensor as (real, imaginary) pairs."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.double()
 
 
 def diff(

@@ -68,14 +68,14 @@ def run_torch(cls, kwargs, params, grads, scheduler=None, on_step=None, groups=N
     return {n: p.detach() for n, p in ps.items()}, state
 
 
-def run_ours(tx, params, grads, donate=False, fused=True, on_step=None):
+def run_ours(tx, params, grads, donate=False, fused=True, on_step=None, owning=False):
     p = {n: t.clone() for n, t in params.items()}
     s = tx.init(p)
     for i, g in enumerate(grads):
         if on_step:
             s = on_step(i, s)
         g = {n: t.clone() for n, t in g.items()}
-        with optim.donating(donate):
+        with optim.donating(donate), optim.owning_updates(owning):
             if fused:
                 p, s = optim.step(tx, g, s, p)
             else:
@@ -153,8 +153,8 @@ def test_step_bitwise_equals_torch(case, data):
     params, grads = data
     tp, ts = run_torch(cls, kwargs, params, grads)
     tx = factory(**kwargs)
-    for donate in (False, True):
-        p, s = run_ours(tx, params, grads, donate=donate)
+    for donate, owning in ((False, False), (False, True), (True, False)):
+        p, s = run_ours(tx, params, grads, donate=donate, owning=owning)
         assert_trees_equal(p, tp)
         assert_trees_equal(_state_of(s, ts), ts)
         assert s.count == STEPS
@@ -170,6 +170,8 @@ def test_update_path_close_to_torch(case, data):
     tp, ts = run_torch(cls, kwargs, params, grads)
     p, s = run_ours(factory(**kwargs), params, grads, fused=False)
     assert_trees_close(p, tp, rtol=1e-6, atol=1e-6)
+    owned_p, owned_s = run_ours(factory(**kwargs), params, grads, fused=False, owning=True)
+    assert_trees_equal((owned_p, owned_s), (p, s))
     assert_trees_close(_state_of(s, ts), ts, rtol=1e-6, atol=1e-6)
 
 
@@ -296,8 +298,8 @@ def test_clip_then_adamw_matches_torch(data):
         torch.nn.utils.clip_grad_norm_(list(ps.values()), 2.0, foreach=True)
         opt.step()
     tx = optim.chain(optim.clip_by_global_norm(2.0), optim.adamw(0.01))
-    for donate in (False, True):
-        p, _ = run_ours(tx, params, grads, donate=donate)
+    for donate, owning in ((False, False), (False, True), (True, False)):
+        p, _ = run_ours(tx, params, grads, donate=donate, owning=owning)
         assert_trees_equal(p, {n: t.detach() for n, t in ps.items()})
 
 
@@ -346,9 +348,10 @@ def _short_parity(cls, kwargs, factory, steps=8, seed=0):
     params = make_params(seed)
     grads = make_grads(params, steps=steps, seed=seed + 1)
     tp, ts = run_torch(cls, kwargs, params, grads)
-    p, s = run_ours(factory(**kwargs), params, grads)
-    assert_trees_equal(p, tp)
-    assert_trees_equal(_state_of(s, ts), ts)
+    for owning in (False, True):
+        p, s = run_ours(factory(**kwargs), params, grads, owning=owning)
+        assert_trees_equal(p, tp)
+        assert_trees_equal(_state_of(s, ts), ts)
 
 
 lrs = st.floats(1e-4, 0.5)

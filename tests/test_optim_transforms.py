@@ -3,6 +3,8 @@ non-finite skipping, injected hyper-parameters, masks and partitions, and argume
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 
 import pytest
@@ -480,7 +482,9 @@ def test_bad_arguments():
         (lambda: optim.sgd(-0.1), ValueError, "invalid learning rate: -0.1"),
         (lambda: optim.sgd(0.1, momentum=-1), ValueError, "invalid momentum"),
         (lambda: optim.sgd(0.1, nesterov=True), ValueError, "nesterov momentum requires"),
-        (lambda: optim.sgd(0.1, 0.9, 0.1, True), ValueError, "nesterov momentum requires"),
+        (lambda: optim.sgd(0.1, 0.9, 0.1, 0.0, True), ValueError, "nesterov momentum requires"),
+        # torch's positional order is (lr, momentum, dampening, weight_decay, nesterov)
+        (lambda: optim.sgd(0.1, 0.9, 0.0, True), TypeError, "weight_decay must be a number"),
         (lambda: optim.sgd(0.1, nesterov=1), TypeError, "nesterov must be a bool"),
         (lambda: optim.adam(betas=(0.9, 1.0)), ValueError, r"beta2 \(betas\[1\]\)"),
         (lambda: optim.adam(betas=(-0.1, 0.9)), ValueError, r"beta1 .*must be in \[0, 1\)"),
@@ -545,3 +549,253 @@ def test_owning_updates_reuses_only_the_gradients_and_keeps_results_bitwise():
         assert not tree.trees_equal(owned, grads)  # the gradients were used as scratch space
         params, state = expected
     assert not optim.owns_updates()
+
+
+# --------------------------------------------------------------------------- torch's signatures
+
+TORCH_ONLY = {"params", "foreach", "capturable", "differentiable", "fused"}
+
+
+@pytest.mark.parametrize(
+    ("factory", "cls"),
+    [
+        (optim.sgd, torch.optim.SGD),
+        (optim.adam, torch.optim.Adam),
+        (optim.adamw, torch.optim.AdamW),
+        (optim.rmsprop, torch.optim.RMSprop),
+        (optim.adagrad, torch.optim.Adagrad),
+    ],
+)
+def test_named_optimizers_take_torchs_arguments_in_torchs_order(factory, cls):
+    ours = inspect.signature(factory).parameters
+    theirs = {
+        n: p
+        for n, p in inspect.signature(cls).parameters.items()
+        if n not in TORCH_ONLY and n != "decoupled_weight_decay"
+    }
+    assert list(ours) == list(theirs)
+    for name, p in ours.items():
+        assert p.default == theirs[name].default, name
+    positional = [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    torch_positional = [
+        n for n, p in inspect.signature(cls).parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD
+    ][1:]
+    assert positional == torch_positional[: len(positional)]
+    assert ours["maximize"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_sgd_defaults_are_torchs():
+    params = make_params()
+    grads = make_grads(3)
+    ps = [torch.nn.Parameter(p.clone()) for p in params.values()]
+    opt = torch.optim.SGD(ps, foreach=True)
+    for g in grads:
+        for p, t in zip(ps, g.values()):
+            p.grad = t.clone()
+        opt.step()
+    p, _ = run(optim.sgd(), params, grads)
+    assert_trees_equal(p, {n: t.detach() for n, t in zip(params, ps)})
+
+
+# --------------------------------------------------------------------------- owning updates
+
+
+def _snapshot(x):
+    return clone(x)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.parametrize("fused", [True, False])
+def test_owning_updates_keeps_params_state_and_bits(name, fused):
+    tx = TRANSFORMS[name]()
+    params = make_params()
+    state = tx.init(params)
+    for g in make_grads(3):
+        expected = optim.step(tx, g, state, params) if fused else tx.update(g, state, params)
+        before = _snapshot((params, state))
+        owned = clone(g)
+        with optim.owning_updates():
+            got = optim.step(tx, owned, state, params) if fused else tx.update(owned, state, params)
+        assert_trees_equal(got, expected)
+        assert_trees_equal((params, state), before)
+        params, state = optim.step(tx, g, state, params)
+
+
+UPDATE_ONLY = {
+    "clip_by_global_norm": lambda: optim.clip_by_global_norm(0.1),
+    "clip_by_value": lambda: optim.clip_by_value(0.1),
+    "scale": lambda: optim.scale(-0.5),
+    "scale_by_schedule": lambda: optim.scale_by_schedule(schedules.linear(1.0, 0.5, 3)),
+    "add_decayed_weights": lambda: optim.add_decayed_weights(0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(UPDATE_ONLY))
+@pytest.mark.parametrize("mixed", [False, True])
+def test_update_only_transforms_work_in_place_on_owned_updates(name, mixed):
+    tx = UPDATE_ONLY[name]()
+    params = make_params()
+    if mixed:
+        params["enc.bias"] = params["enc.bias"].double()
+    g = make_grads(1, like=params)[0]
+    expected, _ = tx.update(clone(g), tx.init(params), params)
+    owned = clone(g)
+    with optim.owning_updates():
+        out, _ = tx.update(owned, tx.init(params), params)
+    assert all(out[n] is owned[n] for n in g)  # no new tensors
+    assert_trees_equal(out, expected)
+    out, _ = tx.update(g, tx.init(params), params)
+    assert all(out[n] is not g[n] for n in g)  # not owned: a copy
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.sgd(0.1, maximize=True),
+        lambda: optim.sgd(0.1, weight_decay=0.1),
+        lambda: optim.sgd(0.1, 0.9, weight_decay=0.1, maximize=True),
+        lambda: optim.sgd(0.1, 0.9, nesterov=True, maximize=True),
+        lambda: optim.rmsprop(0.01, maximize=True),
+        lambda: optim.rmsprop(0.01, weight_decay=0.1, momentum=0.9, centered=True),
+        lambda: optim.adagrad(0.1, maximize=True),
+        lambda: optim.adagrad(0.1, weight_decay=0.1),
+    ],
+)
+def test_named_optimizers_use_owned_gradients_as_scratch(make):
+    tx = make()
+    params = make_params()
+    state = tx.init(params)
+    for g in make_grads(3):
+        expected = optim.step(tx, g, state, params)
+        owned = clone(g)
+        before = _snapshot((params, state))
+        with optim.owning_updates():
+            got = optim.step(tx, owned, state, params)
+        assert_trees_equal(got, expected)
+        assert_trees_equal((params, state), before)
+        assert not tree.trees_equal(owned, g)  # the gradients held the temporaries
+        # an owned gradient never becomes state (the caller may still hold it)
+        owned_ptrs = {t.untyped_storage().data_ptr() for t in owned.values()}
+        state_ptrs = {
+            t.untyped_storage().data_ptr() for t in tree.leaves(got[1]) if torch.is_tensor(t)
+        }
+        assert not owned_ptrs & state_ptrs
+        params, state = expected
+
+
+# --------------------------------------------------------------------------- inject, schedules
+
+
+def _counting(factory):
+    calls = []
+
+    @functools.wraps(factory)
+    def wrapped(*args, **kwargs):
+        calls.append(kwargs.get("lr", args[0] if args else None))
+        return factory(*args, **kwargs)
+
+    return wrapped, calls
+
+
+@pytest.mark.parametrize("factory", [optim.adam, optim.sgd, optim.rmsprop, optim.adagrad])
+def test_inject_hyperparams_hands_schedules_on_without_rebuilding(factory):
+    sched = schedules.cosine(0.05, 10, 0.001)
+    counted, calls = _counting(factory)
+    tx = optim.inject_hyperparams(counted)(lr=sched)
+    params = make_params()
+    grads = make_grads(6)
+    p, s = run(tx, params, grads)
+    assert len(calls) == 1 and calls[0] is sched  # built once, with the schedule itself
+    ref_p, ref_s = run(factory(lr=sched), params, grads)
+    assert_trees_equal(p, ref_p)
+    assert_trees_equal(s.inner_state, ref_s)
+    assert float(s.hyperparams["lr"]) == sched(len(grads) - 1)  # the value the last step used
+    p, s = run(tx, params, grads, fused=False)
+    ref_p, _ = run(factory(lr=sched), params, grads, fused=False)
+    assert_trees_equal(p, ref_p)
+
+
+def test_inject_hyperparams_rebuilds_only_when_a_constant_changes():
+    counted, calls = _counting(optim.adamw)
+    tx = optim.inject_hyperparams(counted)(lr=schedules.linear(0.01, 0.0, 10), weight_decay=0.1)
+    params = make_params()
+    s = tx.init(params)
+    for g in make_grads(3):
+        params, s = optim.step(tx, g, s, params)
+    assert len(calls) == 1
+    s = s.replace(hyperparams={**s.hyperparams, "weight_decay": torch.tensor(0.5)})
+    for g in make_grads(3, seed=4):
+        params, s = optim.step(tx, g, s, params)
+    assert len(calls) == 2
+
+
+def test_inject_hyperparams_evaluates_schedules_a_factory_cannot_take():
+    """``add_decayed_weights`` takes no schedule: it is rebuilt with each new value."""
+    tx = optim.inject_hyperparams(optim.add_decayed_weights)(schedules.linear(1.0, 0.0, 4))
+    params = make_params()
+    zero = {n: torch.zeros_like(p) for n, p in params.items()}
+    s = tx.init(params)
+    for count in range(3):
+        u, s = tx.update(zero, s, params)
+        factor = 1.0 - count / 4
+        assert_trees_close(u, {n: factor * p for n, p in params.items()}, rtol=1e-7)
+        assert float(s.hyperparams["weight_decay"]) == factor
+
+
+def test_inject_hyperparams_of_scale_by_schedule():
+    sched = schedules.linear(1.0, 0.5, 4)
+    tx = optim.inject_hyperparams(optim.scale_by_schedule)(sched)
+    params, grads = make_params(), make_grads(3)
+    p, s = run(tx, params, grads, fused=False)
+    ref, _ = run(optim.scale_by_schedule(sched), params, grads, fused=False)
+    assert_trees_equal(p, ref)
+    assert float(s.hyperparams["schedule"]) == sched(2)
+
+
+# --------------------------------------------------------------------------- masked vs partition
+
+
+def test_masked_step_is_update_then_apply_updates_and_partition_freezes():
+    """``masked`` as the whole optimizer: unmasked params get ``p + g`` on both paths (optax's
+    semantics); ``partition`` with ``set_to_zero`` is the way to freeze them."""
+    params = make_params()
+    mask = optim.decay_mask(params)
+    g = make_grads(1)[0]
+    tx = optim.masked(optim.adam(0.1), mask)
+    fused, _ = optim.step(tx, g, tx.init(params), params)
+    u, _ = tx.update(g, tx.init(params), params)
+    unfused = optim.apply_updates(params, u)
+    for n in params:
+        if not mask[n]:
+            assert_trees_equal(fused[n], params[n] + g[n])
+            assert_trees_equal(unfused[n], fused[n])
+    frozen = optim.partition({True: optim.adam(0.1), False: optim.set_to_zero()}, mask)
+    new, _ = optim.step(frozen, g, frozen.init(params), params)
+    for n in params:
+        if mask[n]:
+            assert_trees_equal(new[n], fused[n])
+        else:
+            assert new[n] is params[n]
+
+
+# --------------------------------------------------------------------------- clipping, mixed
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "get_total_norm"),
+    reason="torch < 2.6: mixed dtypes are grouped by first appearance, not torch's order",
+)
+def test_clip_by_global_norm_mixed_dtypes_matches_torch_bitwise():
+    """Several dtypes: torch groups them in an internal hash order; we must agree."""
+    gen = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    for _ in range(60):
+        picks = torch.randint(0, 4, (6,), generator=gen).tolist()
+        grads = {f"p{i}": torch.randn(5, generator=gen).to(dtypes[k]) for i, k in enumerate(picks)}
+        ps = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads.values()]
+        for p, t in zip(ps, grads.values()):
+            p.grad = t.clone()
+        norm = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        assert torch.equal(optim.global_norm(grads), norm)
+        out, _ = optim.clip_by_global_norm(1.0).update(grads, optim.EmptyState())
+        assert_trees_equal(out, {n: p.grad for n, p in zip(grads, ps)})

@@ -101,3 +101,100 @@ def test_scope_restores_on_exception():
         torch.rand(10)
         raise ValueError("boom")
     assert torch.equal(torch.rand(2), expected)
+
+
+# --------------------------------------------------------------------------- tensor keys
+
+
+@given(st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1))
+def test_tensor_keys_and_data_reduce_modulo_2_64_like_ints(k, d):
+    assert rng.fold_in(torch.tensor(k), 7) == rng.fold_in(k, 7)
+    assert rng.fold_in(rng.key(0), torch.tensor(d)) == rng.fold_in(rng.key(0), d)
+    assert 0 <= rng.fold_in(torch.tensor(k), torch.tensor(d)) < 2**64
+
+
+def test_negative_tensor_key_seeds_like_the_int():
+    with rng.scope(torch.tensor(-5)):
+        a = torch.rand(3)
+    with rng.scope(-5):
+        b = torch.rand(3)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "bad", [torch.tensor(True), torch.tensor(1.0), torch.tensor([1, 2]), torch.tensor(1j)]
+)
+def test_non_integer_tensor_keys_are_refused(bad):
+    with pytest.raises(TypeError, match="one-element integer tensor"):
+        rng.fold_in(bad, 1)
+    with pytest.raises(TypeError, match="one-element integer tensor"):
+        rng.fold_in(rng.key(0), bad)
+
+
+# --------------------------------------------------------------------------- prebuilt generators
+
+
+def test_scope_with_prebuilt_generators_matches_the_device_form():
+    gens = rng.default_generators(["cpu"])
+    assert gens == (torch.default_generator,)
+    assert rng.default_generators() == gens
+    torch.manual_seed(11)
+    expected_next = torch.rand(2)
+    torch.manual_seed(11)
+    with rng.scope(rng.key(4), generators=gens):
+        a = torch.rand(5)
+    assert torch.equal(torch.rand(2), expected_next)
+    with rng.scope(rng.key(4), ["cpu"]):
+        b = torch.rand(5)
+    assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="devices or generators, not both"):
+        rng.scope(rng.key(4), ["cpu"], generators=gens)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="cuda:0 was requested but CUDA is not available"):
+        rng.default_generators(["cuda:0"])
+
+
+def test_cuda_generators_are_looked_up_after_cuda_initialises(monkeypatch):
+    """Simulated CUDA (no GPU needed): the generator table is empty until ``torch.cuda.init``,
+    so the lookup must initialise first. Real CUDA: the subprocess test below."""
+    table = (torch.Generator(), torch.Generator())
+    calls = []
+
+    def fake_init():
+        calls.append("init")
+        monkeypatch.setattr(torch.cuda, "default_generators", table)
+
+    monkeypatch.setattr(torch.cuda, "default_generators", ())
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", fake_init)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    gens = rng.default_generators(["cuda:1", "cuda", torch.device("cuda", 1)])
+    assert calls == ["init"]
+    assert gens == (torch.default_generator, table[1], table[0])
+    with pytest.raises(ValueError, match="no CUDA device 5 \\(2 visible\\)"):
+        rng.default_generators(["cuda:5"])
+    with rng.scope(rng.key(2), generators=gens):
+        inside = torch.rand(2, generator=table[1])
+    assert torch.equal(inside, torch.rand(2, generator=rng.generator(rng.key(2))))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_scope_on_an_explicit_cuda_device_before_cuda_initialises():
+    code = (
+        "import torch\n"
+        "from engine import rng\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "with rng.scope(rng.key(1), ['cuda:0']):\n"
+        "    a = torch.rand(3, device='cuda:0')\n"
+        "with rng.scope(rng.key(1), generators=rng.default_generators(['cuda:0'])):\n"
+        "    b = torch.rand(3, device='cuda:0')\n"
+        "assert torch.equal(a, b)\n"
+    )
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    subprocess = __import__("subprocess")
+    sys = __import__("sys")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)

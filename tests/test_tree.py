@@ -117,3 +117,93 @@ def test_integer_tensors_compare_exactly_with_or_without_tolerances():
     tree.assert_trees_close(a, {"n": torch.tensor([1, 2, 3])}, rtol=1e-3)
     with pytest.raises(AssertionError, match="1/3 elements differ"):
         tree.assert_trees_close(a, {"n": torch.tensor([1, 2, 4])}, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- complex, infinities
+
+
+def test_complex_tensors_compare_both_parts():
+    assert not tree.trees_equal({"x": torch.tensor(1 + 1j)}, {"x": torch.tensor(1 + 2j)})
+    a = torch.tensor([1 + 1j, 2 - 3j], dtype=torch.complex64)
+    b = torch.tensor([1 + 1j, 2 - 3.5j], dtype=torch.complex64)
+    problems = tree.diff({"x": a}, {"x": b}, rtol=1e-6)
+    assert len(problems) == 1 and "1/2 elements differ" in problems[0]
+    assert "first at [1]" in problems[0]
+    with pytest.raises(AssertionError, match="rtol=1e-06"):
+        tree.assert_trees_close({"x": a}, {"x": b}, rtol=1e-6)
+    tree.assert_trees_close({"x": a}, {"x": b}, atol=0.6)
+    # a conjugated view compares by its values
+    assert tree.trees_equal({"x": torch.tensor([1 + 2j]).conj()}, {"x": torch.tensor([1 - 2j])})
+
+
+def test_infinities_match_only_the_same_infinity_under_tolerances():
+    inf = float("inf")
+    a = {"x": torch.tensor([1.0, inf, -inf])}
+    tree.assert_trees_close(a, {"x": torch.tensor([1.0, inf, -inf])}, rtol=1e-6)
+    for other in ([1.0, -inf, -inf], [1.0, inf, inf], [1.0, 3e38, -inf]):
+        with pytest.raises(AssertionError, match="1/3 elements differ"):
+            tree.assert_trees_close(a, {"x": torch.tensor(other)}, rtol=1e-6)
+        with pytest.raises(AssertionError, match="1/3 elements differ"):
+            tree.assert_trees_close({"x": torch.tensor(other)}, a, rtol=1e-6, atol=1.0)
+
+
+# --------------------------------------------------------------------------- global norm
+
+
+MIXED_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _clip_grad_norm_reference(tensors):
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
+    for p, t in zip(params, tensors):
+        p.grad = t.clone()
+    return torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=True)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "get_total_norm"),
+    reason="torch < 2.6: mixed dtypes are grouped by first appearance, not torch's order",
+)
+def test_global_norm_of_mixed_dtypes_is_bitwise_clip_grad_norm():
+    """torch orders dtype groups by an internal hash, not first appearance; the order changes
+    the last bit of the result in a few percent of cases, so try many."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        picks = torch.randint(0, len(MIXED_DTYPES), (8,), generator=g).tolist()
+        sizes = torch.randint(1, 40, (8,), generator=g).tolist()
+        tensors = {
+            f"t{i}": (torch.randn(n, generator=g) * 3.0).to(MIXED_DTYPES[k])
+            for i, (k, n) in enumerate(zip(picks, sizes))
+        }
+        expected = _clip_grad_norm_reference(list(tensors.values()))
+        got = tree.global_norm(tensors)
+        assert got.dtype == expected.dtype
+        assert torch.equal(got, expected), (picks, got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_global_norm_over_two_devices_is_bitwise_clip_grad_norm():
+    tensors = {"a": torch.randn(5, 3, device="cuda"), "b": torch.randn(4), "c": torch.randn(2)}
+    assert tree.global_norm(tensors).device.type == "cuda"
+    assert torch.equal(tree.global_norm(tensors), _clip_grad_norm_reference(list(tensors.values())))
+
+
+def test_combine_norms_is_the_last_step_of_global_norm():
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=g) for n in (3, 17, 1, 64)]
+    norms = torch._foreach_norm(tensors, 2.0)
+    assert torch.equal(tree.combine_norms(norms), tree.global_norm(tensors))
+    assert torch.equal(tree.combine_norms([]), torch.tensor(0.0))
+    # per-member vectors: entry i combines the i-th entries, as a separate run would
+    members = [torch.randn(4, n, generator=g) for n in (3, 5, 2)]
+    rows = [torch.linalg.vector_norm(m, 2.0, dim=1) for m in members]
+    combined = tree.combine_norms(rows)
+    assert combined.shape == (4,)
+    for i in range(4):
+        assert torch.equal(combined[i], tree.global_norm([m[i] for m in members]))
+
+
+def test_device_dtype_groups_keep_first_appearance_order():
+    ts = [torch.ones(1, dtype=d) for d in (torch.float64, torch.float32, torch.float64)]
+    assert tree.device_dtype_groups(ts) == [[0, 2], [1]]
+    assert tree.device_dtype_groups([]) == []

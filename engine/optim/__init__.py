@@ -11,7 +11,8 @@ with ``chain`` and the wrappers (``accumulate``, ``skip_nonfinite``, ``inject_hy
 
 States are ``@struct`` pytrees holding tensors and plain int counters. Nothing here modifies
 its inputs except under ``donating()``, which lets the built-in transforms reuse the
-storage of the updates, their state and the params (the inputs are then consumed).
+storage of the updates, their state and the params (the inputs are then consumed), or
+``owning_updates()``, which lets them overwrite the incoming updates only.
 """
 
 from . import schedules

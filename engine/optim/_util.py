@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.tree import device_dtype_groups
+
 Tensor = torch.Tensor
 Schedule = Callable[[int], float]
 
@@ -70,6 +72,22 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def evaluates_schedules(*names: str) -> Callable[[Any], Any]:
+    """Mark a transform factory whose arguments ``names`` may be schedules that its transform
+    evaluates at its own update count (``factory.schedule_args``).
+
+    ``inject_hyperparams`` then hands such a schedule on as it is instead of rebuilding the
+    transform every step; the count must be the number of ``update``/``apply`` calls so far,
+    which is the wrapper's count too.
+    """
+
+    def mark(factory: Any) -> Any:
+        factory.schedule_args = frozenset(names)
+        return factory
+
+    return mark
 
 
 def learning_rate(lr: Any) -> Schedule:
@@ -132,13 +150,8 @@ def groups(tensors: Sequence[Tensor]) -> list[list[int]] | None:
     dtype, device = first.dtype, first.device
     for t in tensors:
         if t.dtype != dtype or t.device != device:
-            break
-    else:
-        return None
-    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        out.setdefault((t.device, t.dtype), []).append(i)
-    return list(out.values())
+            return device_dtype_groups(tensors)
+    return None
 
 
 def grouped(kernel: Callable[..., tuple], lists: Sequence[list], **kwargs: Any) -> tuple:

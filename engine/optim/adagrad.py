@@ -16,7 +16,7 @@ import torch
 from engine.tree import struct
 
 from . import _util
-from .base import GradientTransformation, Params, Updates, is_donating
+from .base import GradientTransformation, Params, Updates, is_donating, owns_updates
 
 __all__ = ["AdagradState", "adagrad"]
 
@@ -31,12 +31,14 @@ class AdagradState:
     sum: dict[str, Tensor]
 
 
+@_util.evaluates_schedules("lr")
 def adagrad(
     lr: Any = 1e-2,
     lr_decay: float = 0.0,
     weight_decay: float = 0.0,
     initial_accumulator_value: float = 0.0,
     eps: float = 1e-10,
+    *,
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adagrad as ``torch.optim.Adagrad``; ``lr`` may be a schedule of the step count."""
@@ -58,7 +60,7 @@ def adagrad(
 
     def kernel(g: list, p: list, acc: list, *, clr: float, fused: bool) -> tuple:
         donate = is_donating()
-        owned = donate
+        owned = owns_updates()  # may ``g`` be written in place? (it never becomes state)
         if maximize:
             g = _util.neg(g, owned)
             owned = True

@@ -39,24 +39,28 @@ class AdamState:
     max_exp_avg_sq: dict[str, Tensor]
 
 
+@_util.evaluates_schedules("lr")
 def adam(
     lr: Any = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     amsgrad: bool = False,
+    *,
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` (L2 weight decay added to the gradient)."""
     return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
 
 
+@_util.evaluates_schedules("lr")
 def adamw(
     lr: Any = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
+    *,
     maximize: bool = False,
 ) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW``: params shrink by ``lr * weight_decay`` each step."""

@@ -10,8 +10,9 @@ apply their step with exactly torch's arithmetic there, and ``step`` prefers it.
 Transforms never modify their inputs, except under ``donating()``: then the built-in
 transforms may write in place into the incoming updates, their own state tensors and (in
 ``apply`` / ``apply_updates``) the params, like JAX's buffer donation. The donated inputs are
-consumed, including any buffers that earlier states share with them. Results are bitwise
-the same either way. A transform must never return updates that alias its own state, so
+consumed, including any buffers that earlier states share with them. Under the weaker
+``owning_updates()`` only the incoming updates are overwritten. Results are bitwise the same
+either way. A transform must never return updates that alias its own state, so
 that the next transform of a chain may write into them when donating.
 """
 
@@ -95,7 +96,16 @@ def owning_updates(enabled: bool = True) -> Iterator[None]:
 
     Weaker than ``donating()``: states and params stay untouched; only the gradient tensors
     handed to ``update``/``apply`` may be reused as scratch space (the train step does this
-    with the fresh gradients it owns, saving a parameter-sized temporary).
+    with the fresh gradients it owns, saving a parameter-sized temporary per transform).
+    Clipping, scaling, weight decay and the named optimizers then write into them; the
+    results are bitwise the same.
+
+    The flag is ambient (a context variable), so it also covers every tensor a transform
+    hands on inside the block. A custom transform that passes a built-in one data it does
+    not own (a gradient it keeps in its own state, a buffer shared with its caller, updates
+    it will read again afterwards) must make that call under ``owning_updates(False)``, or
+    pass a copy; otherwise the built-in transform overwrites that data. Likewise a custom
+    transform must not return updates that alias its state or the params.
     """
     token = _OWNS_UPDATES.set(bool(enabled))
     try:

@@ -4,7 +4,11 @@ Both agree bitwise with ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`
 ``foreach=True`` over the same tensors in the same order: per-tensor norms from
 ``torch._foreach_norm``, their norm over ``torch.stack``, a coefficient
 ``max_norm / (norm + 1e-6)`` clamped to 1 that always multiplies (no data-dependent branch,
-so no device sync), and ``clamp_min`` then ``clamp_max`` for values.
+so no device sync), and ``clamp_min`` then ``clamp_max`` for values. ``global_norm`` is
+``engine.tree.global_norm`` (one implementation for the whole project).
+
+Both write only into the incoming updates, so under ``owning_updates()`` (what the train step
+uses) they work in place, like torch's in-place clipping.
 """
 
 from __future__ import annotations
@@ -12,31 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from engine.tree import global_norm
 
 from . import _util
-from .base import EmptyState, GradientTransformation, Params, Updates, is_donating
+from .base import EmptyState, GradientTransformation, Params, Updates, owns_updates
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
 Tensor = torch.Tensor
-
-
-def global_norm(updates: dict[str, Tensor]) -> Tensor:
-    """The L2 norm of all tensors together, computed as ``clip_grad_norm_`` does."""
-    tensors = list(updates.values())
-    if not tensors:
-        return torch.tensor(0.0)
-    if _util.groups(tensors) is None:
-        norms = torch._foreach_norm(tensors, 2.0)
-    else:
-        # Mixed devices / dtypes: torch's own grouping decides the order of the norms, which
-        # matters bitwise for the final reduction.
-        norms = []
-        first = tensors[0].device
-        for (_device, _), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():
-            norms.extend(n.to(first) for n in torch._foreach_norm(group, 2.0))
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -62,7 +50,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             out = [None] * len(u)
             for ix in idx:
                 sub = [u[i] for i in ix]
-                if not is_donating():
+                if not owns_updates():
                     sub = [t.clone() for t in sub]
                 torch._foreach_mul_(sub, coef.to(sub[0].device))
                 for j, i in enumerate(ix):
@@ -73,7 +61,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
 
 def _mul(tensors: list[Tensor], coef: Tensor) -> list[Tensor]:
-    if is_donating():
+    if owns_updates():
         torch._foreach_mul_(tensors, coef)
         return tensors
     return torch._foreach_mul(tensors, coef)
@@ -90,7 +78,7 @@ def clip_by_value(clip_value: float) -> GradientTransformation:
         if not updates:
             return {}, state
         u = list(updates.values())
-        if is_donating():
+        if owns_updates():
             torch._foreach_clamp_min_(u, -clip_value)
         else:
             u = torch._foreach_clamp_min(u, -clip_value)

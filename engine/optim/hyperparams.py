@@ -5,10 +5,13 @@ hyper-parameter as a 0-d float64 tensor in ``state.hyperparams``, so it can be l
 changed between steps (``state.replace(hyperparams={**state.hyperparams, "lr": t})``) or
 batched. A hyper-parameter given as a schedule is evaluated at the wrapper's update count
 at every step (a value written into the state for it is overwritten); the state holds the
-value the latest step used (at ``init``: the one the first step will use). Each step
-rebuilds the inner transform from the current values (cached while they do not change) and
-runs its ``update`` or fused ``apply``, so ``inject_hyperparams(adam)`` keeps Adam's
-bitwise parity with torch.
+value the latest step used (at ``init``: the one the first step will use). The inner
+transform is built from the current values and rebuilt only when one of them changes; a
+schedule the factory can evaluate itself (its ``schedule_args``: the named optimizers'
+``lr``, ``scale_by_schedule``'s ``schedule``) is handed to it as it is, at the same count,
+so a learning-rate schedule costs no rebuild per step (as with ``adam(lr=schedule)``, the
+schedule's values are then not range-checked). ``update`` or the fused ``apply`` of the inner
+transform runs, so ``inject_hyperparams(adam)`` keeps Adam's bitwise parity with torch.
 
 Injected: floats, one-element tensors, schedules (callables) and tuples / lists of these.
 Ints, bools, strings, None, transforms and names listed in ``static_args`` are passed to
@@ -71,6 +74,7 @@ def inject_hyperparams(
 ) -> Callable[..., GradientTransformation]:
     """Wrap ``factory`` so that its float / schedule arguments live in the state."""
     sig = inspect.signature(factory)
+    own_schedules = frozenset(getattr(factory, "schedule_args", ()))
     static = frozenset(static_args)
     unknown = sorted(static - set(sig.parameters))
     if unknown:
@@ -88,14 +92,19 @@ def inject_hyperparams(
                 and _injectable(value)
             ):
                 specs[name] = value
-        cache: list[Any] = [None, None]
+        # Schedules the factory evaluates itself (at its own count, which is ours): they stay
+        # in the factory's arguments and out of the cache key.
+        handed_on = frozenset(n for n, s in specs.items() if n in own_schedules and _is_schedule(s))
+        cache: list[Any] = [(None, None)]
 
         def evaluate(count: int, current: dict[str, Any] | None) -> tuple:
             """``(values, hyperparams)``: floats for the factory and the tensors to store."""
             values: dict[str, Any] = {}
             stored: dict[str, Any] = {}
             for name, spec in specs.items():
-                if isinstance(spec, (tuple, list)):
+                if name in handed_on:
+                    stored[name] = _as_tensor(float(spec(count)))  # for logging only
+                elif isinstance(spec, (tuple, list)):
                     cur = current[name] if current is not None else (None,) * len(spec)
                     pairs = [_one(s, count, c) for s, c in zip(spec, cur)]
                     values[name] = tuple(v for v, _ in pairs)
@@ -107,10 +116,12 @@ def inject_hyperparams(
 
         def build(values: dict[str, Any]) -> GradientTransformation:
             key = tuple(values.items())
-            if cache[0] != key:
+            cached_key, tx = cache[0]
+            if cached_key != key:
                 call = inspect.BoundArguments(sig, {**bound.arguments, **values})
-                cache[0], cache[1] = key, factory(*call.args, **call.kwargs)
-            return cache[1]
+                tx = factory(*call.args, **call.kwargs)
+                cache[0] = (key, tx)
+            return tx
 
         build(evaluate(0, None)[0])  # validate the arguments now
 

@@ -1,6 +1,13 @@
 """Apply transforms to some params only: ``masked`` (one transform on a subset, the rest
 passed through) and ``partition`` (one transform per label, e.g. torch's param groups).
 
+``masked`` follows optax: the updates of unmasked params pass through unchanged, so it is
+meant for a link of a chain (``masked(add_decayed_weights(...), mask)`` before the
+optimizer). As the whole optimizer, ``step(masked(adam(), mask), ...)`` adds the raw
+gradient to every unmasked param (gradient ascent at learning rate 1), exactly what
+``update`` followed by ``apply_updates`` gives; to train some params and freeze the rest,
+use ``partition({"train": adam(), "frozen": set_to_zero()}, labels)``.
+
 Masks and labels are a dict ``name -> bool / label`` or a function ``(name, tensor) ->
 bool / label``, evaluated on the updates' names (and tensors) at every call, so they stay
 out of the state. ``decay_mask`` is the usual "decay weights, not biases and norms" rule.
@@ -64,7 +71,12 @@ class MaskedState:
 
 
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
-    """Apply ``inner`` where ``mask`` is true; other updates pass through unchanged."""
+    """Apply ``inner`` where ``mask`` is true; other updates pass through unchanged.
+
+    In ``apply`` (the fused ``step``) that means unmasked params become ``param + grad``,
+    as ``update`` then ``apply_updates`` would make them (optax's semantics). To freeze
+    the unmasked params instead, use ``partition(..., set_to_zero())`` (see module doc).
+    """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"masked() needs a GradientTransformation, got {type(inner).__name__}")
     _check_spec(mask, "mask")

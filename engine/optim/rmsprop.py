@@ -15,7 +15,7 @@ import torch
 from engine.tree import struct
 
 from . import _util
-from .base import GradientTransformation, Params, Updates, is_donating
+from .base import GradientTransformation, Params, Updates, is_donating, owns_updates
 
 __all__ = ["RMSpropState", "rmsprop"]
 
@@ -33,6 +33,7 @@ class RMSpropState:
     grad_avg: dict[str, Tensor]
 
 
+@_util.evaluates_schedules("lr")
 def rmsprop(
     lr: Any = 1e-2,
     alpha: float = 0.99,
@@ -40,6 +41,7 @@ def rmsprop(
     weight_decay: float = 0.0,
     momentum: float = 0.0,
     centered: bool = False,
+    *,
     maximize: bool = False,
 ) -> GradientTransformation:
     """RMSprop as ``torch.optim.RMSprop``; ``lr`` may be a schedule of the step count."""
@@ -61,7 +63,7 @@ def rmsprop(
 
     def kernel(g: list, p: list, sq: list, buf: list, ga: list, *, lr: float, fused: bool) -> tuple:
         donate = is_donating()
-        owned = donate
+        owned = owns_updates()  # may ``g`` be written in place? (it never becomes state)
         if maximize:
             g = _util.neg(g, owned)
             owned = True

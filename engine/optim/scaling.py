@@ -2,6 +2,7 @@
 
 ``scale(-lr)`` after a direction-producing transform turns it into a descent step;
 ``scale_by_schedule`` does the same with a changing factor, counting its own updates.
+Under ``owning_updates()`` both multiply the incoming updates in place.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from engine.tree import struct
 
 from . import _util
-from .base import EmptyState, GradientTransformation, Params, Updates, is_donating
+from .base import EmptyState, GradientTransformation, Params, Updates, owns_updates
 
 __all__ = ["ScaleByScheduleState", "scale", "scale_by_schedule"]
 
@@ -31,7 +32,7 @@ def _scaled(updates: Updates, factor: float) -> Updates:
     if not updates:
         return {}
     u = list(updates.values())
-    if is_donating():
+    if owns_updates():  # the updates are ours to overwrite
         torch._foreach_mul_(u, factor)
     else:
         u = torch._foreach_mul(u, factor)
@@ -51,6 +52,7 @@ def scale(factor: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+@_util.evaluates_schedules("schedule")
 def scale_by_schedule(schedule: _util.Schedule) -> GradientTransformation:
     """Multiply updates by ``schedule(count)``, ``count`` being this transform's update count."""
     if not callable(schedule):

@@ -5,6 +5,11 @@ ops in the same order with the same Python-float scalars, the momentum buffer st
 a copy of the first (decayed) gradient. ``update`` returns ``-lr * direction``; adding it to
 the params rounds differently from torch's fused ``add(alpha=-lr)``, so that path agrees
 with torch to about one ulp per step, not bitwise.
+
+The signature is torch's: ``sgd(lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+nesterov=False, *, maximize=False)``. Under ``owning_updates()`` the maximize and
+weight-decay steps write into the gradients instead of new temporaries; an owned gradient
+never becomes the momentum buffer (only a donated one does).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from engine.tree import struct
 
 from . import _util
-from .base import GradientTransformation, Params, Updates, is_donating
+from .base import GradientTransformation, Params, Updates, is_donating, owns_updates
 
 __all__ = ["SGDState", "sgd"]
 
@@ -31,15 +36,18 @@ class SGDState:
     momentum_buffer: dict[str, Tensor]
 
 
+@_util.evaluates_schedules("lr")
 def sgd(
-    lr: Any,
+    lr: Any = 1e-3,
     momentum: float = 0.0,
     dampening: float = 0.0,
-    nesterov: bool = False,
     weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
     maximize: bool = False,
 ) -> GradientTransformation:
-    """SGD as ``torch.optim.SGD``; ``lr`` may be a schedule of the step count."""
+    """SGD as ``torch.optim.SGD`` (same argument order and defaults); ``lr`` may be a
+    schedule of the step count."""
     lr_at = _util.learning_rate(lr)
     momentum = _util.check("momentum", momentum, low=0.0)
     dampening = _util.scalar("dampening", dampening)
@@ -54,21 +62,25 @@ def sgd(
 
     def kernel(g: list, p: list, buf: list, *, lr: float, first: bool, fused: bool) -> tuple:
         donate = is_donating()
-        owned = donate  # may ``g`` be written in place?
+        owned = owns_updates()  # may ``g`` be written in place?
+        ours = donate  # may ``g`` become state (the momentum buffer)? Only our own temporaries
         if maximize:
-            g = _util.neg(g, owned)
-            owned = True
+            if owned:
+                torch._foreach_neg_(g)
+            else:
+                g = torch._foreach_neg(g)
+                owned = ours = True
         if weight_decay != 0:
             if owned:
                 torch._foreach_add_(g, p, alpha=weight_decay)
             else:
                 g = torch._foreach_add(g, p, alpha=weight_decay)
-                owned = True
+                owned = ours = True
         d_is_state = False
         if momentum != 0:
             if first:
                 # torch: the first buffer is a copy of the gradient (no dampening)
-                buf = g if owned and not nesterov else [t.clone() for t in g]
+                buf = g if ours and not nesterov else [t.clone() for t in g]
             elif donate:
                 torch._foreach_mul_(buf, momentum)
                 torch._foreach_add_(buf, g, alpha=1 - dampening)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _util
-from .base import EmptyState, GradientTransformation, Params, Updates, is_donating
+from .base import EmptyState, GradientTransformation, Params, Updates, owns_updates
 from .masking import masked
 
 __all__ = ["add_decayed_weights"]
@@ -40,7 +40,7 @@ def add_decayed_weights(
         names = list(updates)
         u = list(updates.values())
         p = _util.take(params, names, "params")
-        if is_donating():
+        if owns_updates():  # only the updates are written, never the params
             torch._foreach_add_(u, p, alpha=weight_decay)
         else:
             u = torch._foreach_add(u, p, alpha=weight_decay)
