@@ -11,6 +11,12 @@ with ``torch.func`` transforms (the tensors bound may be functorch-wrapped).
 Buffers that the forward pass replaces (``self.buf = new``) rather than updates in place are
 read back by ``collect_buffers()`` inside the block. A bound template is not thread-safe:
 use one template per thread.
+
+**Modes.** Normally the block flips each module's ``training`` flag to the requested mode
+directly. A model in which some class overrides ``train()`` (the fine-tuning idiom that keeps
+BatchNorm frozen: ``super().train(mode); self.bn.eval()``) gets ``model.train(mode)`` called
+instead, when its root is in the other mode, and every module's flag restored on exit; when
+the root is already in the requested mode its flags are left as the template has them.
 """
 
 from __future__ import annotations
@@ -21,23 +27,44 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Binder"]
+__all__ = ["Binder", "canonical_names"]
+
+
+def _canonical(model: nn.Module, named: str) -> dict[str, str]:
+    """``slot name -> canonical name`` for ``named`` ("named_parameters"/"named_buffers")."""
+    first: dict[int, str] = {}
+    return {
+        name: first.setdefault(id(tensor), name)
+        for name, tensor in getattr(model, named)(remove_duplicate=False)
+        if tensor is not None
+    }
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """``slot name -> canonical name`` for every parameter and buffer slot of ``model``.
+
+    A tied tensor fills several slots (``remove_duplicate=False`` names); its canonical name
+    is the first name ``named_parameters`` / ``named_buffers`` give it, the key it has in a
+    ``TrainState``.
+    """
+    return {**_canonical(model, "named_parameters"), **_canonical(model, "named_buffers")}
+
+
+def _overrides_train(model: nn.Module) -> bool:
+    """Whether ``model.train(mode)`` may set modes other than ``mode`` (a class overrides it)."""
+    if type(model).eval is not nn.Module.eval:
+        return True
+    return any(type(m).train is not nn.Module.train for m in model.modules())
 
 
 def _slots(model: nn.Module, named: str) -> tuple[list[tuple[dict[str, Any], str, str]], list[str]]:
     """``(owner dict, attribute, canonical name)`` for every slot, and the canonical names."""
-    canonical: dict[int, str] = {}
-    for name, tensor in getattr(model, named)():
-        if tensor is not None:
-            canonical.setdefault(id(tensor), name)
     slots = []
-    for name, tensor in getattr(model, named)(remove_duplicate=False):
-        if tensor is None:
-            continue
+    for name, canon in _canonical(model, named).items():
         owner_path, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_path)
         table = owner._parameters if named == "named_parameters" else owner._buffers
-        slots.append((table, attr, canonical[id(tensor)]))
+        slots.append((table, attr, canon))
     names = list(dict.fromkeys(c for _, _, c in slots))
     return slots, names
 
@@ -48,6 +75,7 @@ class Binder:
     __slots__ = (
         "_all_slots",
         "_buffer_slots",
+        "_custom_train",
         "_modules",
         "_param_slots",
         "buffer_names",
@@ -63,6 +91,7 @@ class Binder:
         self._buffer_slots, self.buffer_names = _slots(model, "named_buffers")
         self._all_slots = self._param_slots + self._buffer_slots
         self._modules = list(model.modules())
+        self._custom_train = _overrides_train(model)
 
     def check(self, params: dict[str, Any], buffers: dict[str, Any]) -> None:
         """Raise a clear error if ``params``/``buffers`` do not match the template's names."""
@@ -88,7 +117,15 @@ class Binder:
 
 
 class _Bound:
-    __slots__ = ("_binder", "_buffers", "_params", "_saved", "_saved_modes", "_training")
+    __slots__ = (
+        "_binder",
+        "_buffers",
+        "_params",
+        "_saved",
+        "_saved_flags",
+        "_saved_modes",
+        "_training",
+    )
 
     def __init__(
         self, binder: Binder, params: dict[str, Any], buffers: dict[str, Any], training: bool
@@ -99,6 +136,7 @@ class _Bound:
         self._training = training
         self._saved: list[Any] = []
         self._saved_modes: list[nn.Module] = []
+        self._saved_flags: list[bool] | None = None
 
     def __enter__(self) -> nn.Module:
         b = self._binder
@@ -118,10 +156,37 @@ class _Bound:
                 f"was it initialised from a different model?"
             ) from None
         training = self._training
-        flipped = self._saved_modes = [m for m in b._modules if m.training != training]
-        for m in flipped:
-            m.training = training
+        if b._custom_train:
+            self._set_mode_by_train(training)
+        else:
+            flipped = self._saved_modes = [m for m in b._modules if m.training != training]
+            for m in flipped:
+                m.training = training
         return b.model
+
+    def _set_mode_by_train(self, training: bool) -> None:
+        """Call the model's own ``train``/``eval`` when the root must change mode."""
+        b = self._binder
+        model = b.model
+        if model.training == training:
+            return
+        self._saved_flags = [m.training for m in b._modules]
+        try:
+            if training:
+                model.train(True)
+            else:
+                model.eval()
+        except BaseException:
+            self._restore_flags()
+            self._restore()
+            raise
+
+    def _restore_flags(self) -> None:
+        flags = self._saved_flags
+        if flags is not None:
+            for m, flag in zip(self._binder._modules, flags):
+                m.training = flag
+            self._saved_flags = None
 
     def _restore(self) -> None:
         saved = self._saved
@@ -136,6 +201,9 @@ class _Bound:
         tb: TracebackType | None,
     ) -> None:
         self._restore()
+        if self._saved_flags is not None:
+            self._restore_flags()
+            return
         for m in self._saved_modes:
             m.training = not self._training
         self._saved_modes = []

@@ -38,7 +38,16 @@ from torch import nn
 from . import metrics as metrics_lib
 from . import optim, rng
 from .state import TrainState
-from .step import Gradients, LossFn, StepOutput, TrainStep, _detached, _loss_for_grad, _split_output
+from .step import (
+    Gradients,
+    LossFn,
+    StepOutput,
+    TrainStep,
+    check_unchanged,
+    detached,
+    loss_for_grad,
+    split_output,
+)
 from .strategy import Strategy
 from .tree import NAMESPACE
 
@@ -210,7 +219,7 @@ class PerSampleStep(TrainStep):
         """``(grads, losses, metrics)`` of every example: ``grads[name]`` is ``[B, ...]``,
         ``losses`` is ``[B]``, metric leaves carry the example axis. Pure; the step's key."""
         if not self._checked:
-            self._check(state)
+            self._first_call(state)
         strategy = self.strategy
         batch = strategy.precision.convert_input(strategy.place(batch))
         return self._per_sample(state, batch)
@@ -218,10 +227,9 @@ class PerSampleStep(TrainStep):
     def _per_sample(self, state: TrainState, batch: Any) -> tuple:
         strategy, progress = self.strategy, state.progress
         key = rng.fold_in(state.rng, rng.Purpose.TRAIN, progress.step, 0, strategy.rank)
-        trainable = set(self.trainable)
         params, buffers = state.params, state.buffers
-        frozen = {n: p for n, p in params.items() if n not in trainable}
-        wrt = params if self._all_trainable else {n: params[n] for n in self.trainable}
+        frozen = {n: params[n] for n in self._frozen}
+        wrt = self._trainable(params)
         binder, loss_fn, precision = self.binder, self.loss_fn, strategy.precision
         split: list[Any] = [None, None, None]  # spec, tensor mask, non-tensor leaves
 
@@ -230,12 +238,12 @@ class PerSampleStep(TrainStep):
                 lambda x: x.unsqueeze(0) if isinstance(x, Tensor) else x, example
             )
             with binder.bind({**frozen, **wrt}, buffers, True) as apply, precision.autocast():
-                loss, metrics = _split_output(loss_fn(apply, one), "loss_fn")
+                loss, metrics = split_output(loss_fn(apply, one), "loss_fn")
             flat, split[0] = optree.tree_flatten(metrics, namespace=NAMESPACE)
             split[1] = [isinstance(x, Tensor) for x in flat]
             split[2] = [x for x in flat if not isinstance(x, Tensor)]
             tensors = [x for x in flat if isinstance(x, Tensor)]
-            return _loss_for_grad(loss, 1.0, 1), (loss.reshape(()), tensors)
+            return loss_for_grad(loss, 1.0, 1), (loss.reshape(()), tensors)
 
         in_dims = torch_pytree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
         fn = torch.func.vmap(
@@ -244,13 +252,18 @@ class PerSampleStep(TrainStep):
             randomness="different",
             chunk_size=self.chunk_size,
         )
-        with rng.scope(key, self._rng_devices):
+        # The buffers are bound as they are (no BatchNorm here): a forward pass that writes
+        # them or the parameters in place is refused, by version counter, after the fact.
+        param_versions = [p._version for p in params.values()]
+        buffer_versions = [b._version for b in buffers.values()]
+        with rng.scope(key, generators=self._rng_generators):
             grads, (losses, tensors) = fn(wrt, batch)
+        check_unchanged(params, param_versions, buffers, buffer_versions, "a per-sample step")
         ts, others = iter(tensors), iter(split[2])
         metrics = optree.tree_unflatten(
             split[0], [next(ts) if m else next(others) for m in split[1]]
         )
-        return dict(grads), losses.detach(), _detached(metrics)
+        return dict(grads), losses.detach(), detached(metrics)
 
     def backward(
         self, state: TrainState, batch: Any, *, end_window: bool | None = None
@@ -260,7 +273,7 @@ class PerSampleStep(TrainStep):
         Every call closes its window (no gradient accumulation; ``end_window`` is ignored).
         """
         if not self._checked:
-            self._check(state)
+            self._first_call(state)
         strategy, progress = self.strategy, state.progress
         batch = strategy.precision.convert_input(strategy.place(batch))
         grads, losses, metrics = self._per_sample(state, batch)
@@ -273,6 +286,8 @@ class PerSampleStep(TrainStep):
             summed = dict(
                 zip(summed, torch._foreach_add(list(summed.values()), list(noise.values())))
             )
+        # New tensors from the contraction and the foreach ops, never aliasing each other:
+        # no need for owned_gradients here.
         mean = dict(zip(summed, torch._foreach_div(list(summed.values()), float(n))))
         if strategy.world_size > 1:
             mean = strategy.all_reduce(mean, "mean")

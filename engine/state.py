@@ -21,7 +21,7 @@ from torch import nn
 from . import rng
 from .tree import field, struct
 
-__all__ = ["Progress", "TrainState", "init", "trainable_names"]
+__all__ = ["Progress", "TrainState", "init", "materialize", "trainable_names"]
 
 
 @struct
@@ -63,15 +63,70 @@ def trainable_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _materialize(model: nn.Module, key: int, init_fn: Callable[[nn.Module], None] | None):
-    """Real tensors for a template that lives on the meta device, initialised under ``key``.
+#: The byte every non-float tensor of a meta template starts as (floats start as NaN): an
+#: invalid bool, an unlikely integer.
+_UNWRITTEN_BYTE = 0xA5
 
-    The template is deep-copied (cheap on meta), given empty CPU storage, and each submodule
-    with a ``reset_parameters`` method re-initialises itself (or ``init_fn(copy)`` runs) with
-    torch's RNG seeded from the key, so the result is a pure function of the seed.
+
+def _uses_nan(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and t.element_size() >= 2
+
+
+def _mark_unwritten(module: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """Fill every tensor of ``module`` with a sentinel; ``(name, tensor, version)`` of each."""
+    marks = []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t is None or t.numel() == 0:
+            continue
+        data = t.detach()
+        if _uses_nan(data):
+            data.fill_(float("nan"))
+        else:
+            data.reshape(-1).view(torch.uint8).fill_(_UNWRITTEN_BYTE)
+        marks.append((name, t, t._version))
+    return marks
+
+
+def _unwritten(module: nn.Module, marks: list[tuple[str, torch.Tensor, int]]) -> list[str]:
+    """Names of marked tensors nothing wrote: still in their slot, version counter unmoved
+    (so no in-place op on them or their views) and still all sentinel (so no ``.data``
+    write either)."""
+    now = dict([*module.named_parameters(), *module.named_buffers()])
+    found = []
+    for name, t, version in marks:
+        if now.get(name) is not t or t._version != version:
+            continue
+        data = t.detach()
+        if _uses_nan(data):
+            untouched = bool(torch.isnan(data).all())
+        else:
+            untouched = bool((data.reshape(-1).view(torch.uint8) == _UNWRITTEN_BYTE).all())
+        if untouched:
+            found.append(name)
+    return found
+
+
+def materialize(
+    template: nn.Module, key: int, init_fn: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
+    """A copy of ``template`` whose tensors are initialised under ``key``.
+
+    The copy's submodules' ``reset_parameters()`` run (or ``init_fn(copy)`` does, instead)
+    with torch's generators seeded from ``key`` (``rng.scope``), so the result is a pure
+    function of ``key``. A template with tensors on the meta device gets empty CPU storage
+    first, every tensor filled with a sentinel (NaN, or the byte 0xA5 for integers and
+    bools); a tensor that no reset (or ``init_fn``) writes would hold that sentinel, so it
+    raises ``ValueError`` naming them: a bare ``nn.Parameter`` or a buffer computed in
+    ``__init__`` (``inv_freq``, masks) has no ``reset_parameters`` to recreate it. A
+    template with real tensors keeps the values of tensors no reset writes.
     """
-    clone = copy.deepcopy(model).to_empty(device="cpu")
-    with rng.scope(rng.fold_in(key, rng.Purpose.INIT)), torch.no_grad():
+    clone = copy.deepcopy(template)
+    marks = None
+    if any(t.is_meta for t in _tensors(clone)):
+        clone = clone.to_empty(device="cpu")
+        with torch.no_grad():
+            marks = _mark_unwritten(clone)
+    with rng.scope(key), torch.no_grad():
         if init_fn is not None:
             init_fn(clone)
         else:
@@ -79,6 +134,20 @@ def _materialize(model: nn.Module, key: int, init_fn: Callable[[nn.Module], None
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
+    if marks:
+        missing = _unwritten(clone, marks)
+        if missing:
+            who = (
+                "init_fn"
+                if init_fn is not None
+                else "any reset_parameters() (their modules have none, or it leaves them)"
+            )
+            raise ValueError(
+                f"the template is on the meta device and {missing} are not initialised by "
+                f"{who}, so they would hold uninitialised memory. Pass init_fn=fn: "
+                "fn(module) gets the materialised copy, runs under the seed's key and must "
+                "set every parameter and buffer (e.g. with torch.nn.init or tensor.copy_)"
+            )
     return clone
 
 
@@ -93,8 +162,9 @@ def init(
     """A fresh ``TrainState`` for ``model`` trained with ``optimizer``.
 
     Parameters and buffers are detached copies of the module's (the module is never
-    mutated). A template on the meta device is materialised first: every submodule's
-    ``reset_parameters()`` (or ``init_fn``) runs under a key derived from ``seed``. The
+    mutated). A template on the meta device is materialised first (``materialize``): every
+    submodule's ``reset_parameters()`` (or ``init_fn``) runs under a key derived from
+    ``seed``, and a tensor neither initialises is an error. The
     strategy, when given, places the state on its device, converts it to its precision and
     supplies the loss-scaler state. The optimizer state covers the trainable parameters only.
     """
@@ -104,7 +174,9 @@ def init(
             return built
     run_key = rng.key(seed)
     has_meta = any(t.is_meta for t in _tensors(model))
-    source = _materialize(model, run_key, init_fn) if has_meta else model
+    source = (
+        materialize(model, rng.fold_in(run_key, rng.Purpose.INIT), init_fn) if has_meta else model
+    )
     params = {n: p.detach().clone() for n, p in source.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in source.named_buffers() if b is not None}
     precision_state = None

@@ -12,25 +12,52 @@ The loss function has the signature ``loss_fn(apply, batch)``; ``apply`` is the 
 bound to the state's tensors for the duration of the call (call it, or its submodules, like
 the ``nn.Module`` it is; do not keep it beyond the call). It returns a scalar loss, a
 ``(loss, metrics)`` pair, or a dict with a ``"loss"`` key and metrics.
+
+**Purity checks.** A forward pass must not modify the state's parameters in place (weight
+clipping with ``w.clamp_()`` under ``no_grad``, say): every step compares the parameters'
+version counters before and after the forward pass and raises ``RuntimeError`` if one
+moved. The eval and predict steps check the buffers the same way. The train step copies
+the buffers the forward pass updates (BatchNorm statistics) and binds the others uncopied;
+see ``TrainStep`` for how it tells them apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import optim, rng
-from .bind import Binder
+from .bind import Binder, canonical_names
 from .state import Progress, TrainState, trainable_names
 from .strategy import Local, Strategy
-from .tree import leaves, map, struct
+from .tree import combine_norms, leaves, map, struct
 
-__all__ = ["Gradients", "StepOutput", "TrainStep", "eval_step", "predict_step", "train_step"]
+__all__ = [
+    "EvalStep",
+    "Gradients",
+    "NoGradStep",
+    "PredictStep",
+    "StepOutput",
+    "TrainStep",
+    "batch_size",
+    "check_unchanged",
+    "detached",
+    "eval_step",
+    "loss_for_grad",
+    "modified_in_place",
+    "owned_gradients",
+    "predict_step",
+    "split_output",
+    "train_step",
+    "window_size",
+]
 
 LossFn = Callable[[nn.Module, Any], Any]
+Tensor = torch.Tensor
 
 
 @struct
@@ -57,11 +84,7 @@ class StepOutput:
     def grad_norm(self) -> torch.Tensor | None:
         """The global L2 norm of the gradients (computed from per-tensor norms on access)."""
         norms = self.grad_norms
-        if norms is None:
-            return None
-        if not norms:
-            return torch.tensor(0.0)
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return None if norms is None else combine_norms(norms)
 
 
 @struct
@@ -83,8 +106,11 @@ class Gradients:
         return self.grads is not None
 
 
-def _split_output(out: Any, where: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(loss, metrics)`` from what a loss function returned."""
+# ---------------------------------------------------------------------- loss-function outputs
+
+
+def split_output(out: Any, where: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(loss, metrics)`` from what a loss function returned (``where`` names it in errors)."""
     if isinstance(out, torch.Tensor):
         return out, {}
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
@@ -105,7 +131,7 @@ def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
-def _detached(metrics: dict[str, Any]) -> dict[str, Any]:
+def detached(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics with every tensor detached (values may be tensors or pytrees of tensors)."""
     return {
         k: v.detach() if isinstance(v, torch.Tensor) else map(_detach, v)
@@ -113,7 +139,7 @@ def _detached(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _batch_size(batch: Any) -> int:
+def batch_size(batch: Any) -> int:
     """The size of the batch's first dimension (its first tensor's), or 1 if it has none."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
@@ -126,12 +152,200 @@ def _batch_size(batch: Any) -> int:
     return 1
 
 
+def loss_for_grad(loss: torch.Tensor, scale: float, divisor: int) -> torch.Tensor:
+    """The tensor to differentiate: ``loss / divisor * scale``, after checking it is a scalar
+    that depends on trainable parameters."""
+    if loss.dim() != 0 and loss.numel() != 1:
+        raise ValueError(f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
+    if not loss.requires_grad:
+        raise RuntimeError(
+            "the loss does not depend on any trainable parameter (it has no grad_fn); "
+            "did the loss function detach it or run under torch.no_grad()?"
+        )
+    if divisor != 1:
+        loss = loss / divisor
+    if scale != 1.0:
+        loss = loss * scale
+    return loss
+
+
+def window_size(accumulate: Callable[[Progress], int], progress: Progress) -> int:
+    """The micro-batches of the accumulation window a schedule gives at ``progress``."""
+    k = accumulate(progress)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"the accumulation schedule returned {k!r}; it must be an int >= 1")
+    return k
+
+
+# ---------------------------------------------------------------------- gradients the step owns
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly once (non-overlapping and dense)."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def owned_gradients(grads: dict[str, Tensor], *, contiguous: bool = False) -> dict[str, Tensor]:
+    """``grads`` with every tensor safe to overwrite in place on its own.
+
+    ``torch.autograd.grad`` and ``torch.func.grad`` do not promise separate tensors: ``a + b``
+    hands both inputs the same tensor, a ``view`` hands out a view of another gradient's
+    storage, and ``w.sum()`` an expanded tensor with stride 0. The optimizer, the loss
+    scaler and donation write into the step's gradients in place, which would then mix
+    parameters or fail. This copies every gradient that shares its storage with an earlier
+    one or is not non-overlapping and dense (normally none: the check is a storage lookup
+    per tensor). ``contiguous=True`` also makes every gradient row-major (the ensemble's
+    per-member arithmetic wants that); the copies it makes count as owned.
+    """
+    seen: set[int] = set()
+    out: dict[str, Tensor] | None = None
+    for name, g in grads.items():
+        if g.is_contiguous():
+            storage = g.untyped_storage().data_ptr()
+            if storage not in seen:
+                seen.add(storage)
+                continue
+            fresh = g.clone()
+        elif contiguous:
+            fresh = g.contiguous()
+        else:
+            storage = g.untyped_storage().data_ptr()
+            if storage not in seen and _dense(g):
+                seen.add(storage)
+                continue
+            fresh = g.clone(memory_format=torch.contiguous_format)
+        if out is None:
+            out = dict(grads)
+        out[name] = fresh
+    return grads if out is None else out
+
+
+# ---------------------------------------------------------------------- in-place modifications
+
+
+def modified_in_place(tensors: Mapping[str, Tensor], versions: list[int]) -> list[str]:
+    """The names of ``tensors`` whose version counter moved since ``versions`` was taken
+    (``[t._version for t in tensors.values()]``): they were written in place."""
+    if [t._version for t in tensors.values()] == versions:
+        return []
+    return [n for (n, t), v in zip(tensors.items(), versions) if t._version != v]
+
+
+def _raise_params_modified(names: list[str]) -> None:
+    raise RuntimeError(
+        f"the forward pass modified parameters {names} in place (e.g. weight clipping with "
+        "clamp_ under no_grad); that rewrote the input state's parameters, which breaks the "
+        "step's purity. Apply such constraints outside the forward pass: to the new state's "
+        "params after the step (state.replace(params=...)) or in an optimizer transform"
+    )
+
+
+def check_unchanged(
+    params: Mapping[str, Tensor],
+    param_versions: list[int],
+    buffers: Mapping[str, Tensor],
+    buffer_versions: list[int],
+    where: str = "eval mode",
+) -> None:
+    """Raise ``RuntimeError`` if a forward pass that binds the state's tensors uncopied
+    (eval, predict, per-sample) wrote parameters or buffers in place. The version counters
+    tell after the fact: the input state has changed by then."""
+    changed = modified_in_place(params, param_versions)
+    if changed:
+        _raise_params_modified(changed)
+    changed = modified_in_place(buffers, buffer_versions)
+    if changed:
+        raise RuntimeError(
+            f"the model modified buffers {changed} in place in {where}, which changed the "
+            f"training state; make the forward pass leave buffers alone in {where}"
+        )
+
+
+def _norm_layer_buffers(model: nn.Module) -> frozenset[str]:
+    """State names of the buffers of BatchNorm/InstanceNorm layers (their kernels update the
+    running statistics in place without moving the version counter)."""
+    canonical = canonical_names(model)
+    return frozenset(
+        canonical[f"{prefix}.{name}" if prefix else name]
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        if isinstance(module, nn.modules.batchnorm._NormBase)
+        for name, b in module._buffers.items()
+        if b is not None
+    )
+
+
+def _generators_for(strategy: Strategy, state: TrainState) -> tuple[torch.Generator, ...]:
+    """The global generators a step scopes, computed once: the strategy's device's, or
+    without one (``Local``) those of the devices the first state's parameters live on."""
+    return rng.default_generators(strategy.rng_devices(state.params.values()))
+
+
+def _advance(progress: Progress, samples: int, stepped: bool) -> Progress:
+    """The counters after one micro-batch of ``samples`` (closing its window if ``stepped``)."""
+    if stepped:
+        return progress.replace(
+            step=progress.step + 1,
+            batch_in_epoch=progress.batch_in_epoch + 1,
+            total_batches=progress.total_batches + 1,
+            samples=progress.samples + samples,
+            micro_step=0,
+        )
+    return progress.replace(
+        batch_in_epoch=progress.batch_in_epoch + 1,
+        total_batches=progress.total_batches + 1,
+        samples=progress.samples + samples,
+        micro_step=progress.micro_step + 1,
+    )
+
+
+# ---------------------------------------------------------------------- the train step
+
+
 class TrainStep:
     """A pure train step; call it as ``new_state, out = step(state, batch)``.
 
     ``step(state, batch, end_window=True)`` closes a gradient-accumulation window early
     (the loops do this on the last batch of an epoch, like a hand-written loop would).
+
+    **Buffers.** Without ``donate``, a buffer the forward pass updates in place (BatchNorm
+    statistics) must be copied first, or the input state would change; copying constant
+    buffers (masks, rotary tables) every step would cost as much as a large matmul. So the
+    first call copies every buffer and notes which copies the forward pass wrote: version
+    counter moved, or value changed (torch's batch-norm kernels update the running
+    statistics without moving the counter), plus the buffers of BatchNorm/InstanceNorm
+    layers, always. Later calls copy only those and bind the others as they are, and check
+    the uncopied buffers' version counters after the forward pass. If a forward pass writes
+    a buffer it left alone on the first call, the input state's buffer has been written by
+    then; to lose nothing, the step keeps one copy of every uncopied buffer (taken once per
+    buffer tensor: once per run in a loop that threads the state, but anew on each call
+    that gets new buffer tensors, as DDP's default buffer broadcast makes them), restores
+    the input state's value from it, copies that buffer from then on, and raises
+    ``RuntimeError``. The trade-offs: memory for one resident copy of the constant buffers
+    (copying every step needed as much, but only during the step); and a later write that
+    does not move the version counter (a batch-norm kernel run by hand on a buffer of a
+    module that is not a norm layer, whose first call left the value unchanged) is not
+    seen. Results are bitwise those of copying every buffer every step.
+
+    **Parameters** are never copied: a forward pass that writes one in place is found by its
+    version counter after the fact (the input state's value has changed by then; copying
+    every parameter to be able to restore it would double the model's memory) and raises.
+
+    ``grad="func"`` with ``allow_unused=False`` runs one extra autograd forward and backward
+    pass on the first call, to find parameters the loss does not use (``torch.func.grad``
+    gives them zeros without saying so).
+
+    A step object caches what it learns from its first call and shares its module template:
+    use one step object per thread.
     """
+
+    _output_type: type[StepOutput] = StepOutput
+    #: Whether ``owned_gradients`` also makes the gradients row-major.
+    _contiguous_grads = False
 
     def __init__(
         self,
@@ -172,16 +386,24 @@ class TrainStep:
         self.compute_grad_norm = grad_norm
         self.binder = Binder(model)
         self.trainable = trainable_names(model)
-        self._all_trainable = len(self.trainable) == len(self.binder.param_names)
-        self._rng_devices = self.strategy.rng_devices()
+        trainable = set(self.trainable)
+        self._frozen = tuple(n for n in self.binder.param_names if n not in trainable)
+        self._all_trainable = not self._frozen
+        self._rng_generators = rng.default_generators()  # until the first call: see _first_call
         self._checked = False
-        self._key_for: int | None = None
-        self._key_prefix = 0
+        self._probed = grad == "autograd" or allow_unused
+        self._key_cache: tuple[int, int] | None = None
+        # What the first call learnt: the buffers the forward pass writes in place (None:
+        # not learnt yet), and a copy of each buffer bound uncopied, to restore it.
+        self._mutated: frozenset[str] | None = None
+        self._spares: dict[str, tuple[weakref.ref, int, Tensor]] = {}
+        self._norm_buffers = _norm_layer_buffers(model)
 
     def __repr__(self) -> str:
         return (
-            f"TrainStep(model={type(self.model).__name__}, strategy={self.strategy!r}, "
-            f"accumulate={self.accumulate!r}, donate={self.donate}, grad={self.grad!r})"
+            f"{type(self).__name__}(model={type(self.model).__name__}, "
+            f"strategy={self.strategy!r}, accumulate={self.accumulate!r}, "
+            f"donate={self.donate}, grad={self.grad!r})"
         )
 
     # ------------------------------------------------------------------ the step
@@ -206,7 +428,7 @@ class TrainStep:
         modify them.
         """
         if not self._checked:
-            self._check(state)
+            self._first_call(state)
         strategy = self.strategy
         precision = strategy.precision
         progress = state.progress
@@ -219,31 +441,24 @@ class TrainStep:
             )
 
         batch = precision.convert_input(strategy.place(batch))
-        if state.rng != self._key_for:
-            self._key_for = state.rng
-            self._key_prefix = rng.fold_in(state.rng, rng.Purpose.TRAIN)
-        key = rng.fold_in(self._key_prefix, progress.step, micro, strategy.rank)
+        n = self._samples(batch)
+        cache = self._key_cache
+        if cache is None or cache[0] != state.rng:
+            cache = self._key_cache = (state.rng, rng.fold_in(state.rng, rng.Purpose.TRAIN))
+        key = rng.fold_in(cache[1], progress.step, micro, strategy.rank)
         loss_scale = state.precision.scale if scaler is not None else 1.0
         divisor = k if k > 1 else 1
 
-        params = state.params
-        buffers = state.buffers
-        if not self.donate and buffers:
-            buffers = {n: b.clone() for n, b in buffers.items()}
-        if self.grad == "autograd":
-            grads, loss, metrics, new_buffers = self._grad_autograd(
-                params, buffers, batch, key, loss_scale, divisor
-            )
-        else:
-            grads, loss, metrics, new_buffers = self._grad_func(
-                params, buffers, batch, key, loss_scale, divisor
-            )
-
+        grads, loss, metrics, new_buffers = self._gradients(
+            state.params, state.buffers, batch, key, loss_scale, divisor
+        )
         grads = self._accumulated(state, grads)
-        n = _batch_size(batch)
+        output_type = self._output_type
         if not close:
+            if strategy.world_size > 1 and new_buffers:
+                new_buffers = strategy.sync_step_buffers(new_buffers)
             return self._keep_open(
-                state, grads, new_buffers, StepOutput(loss, metrics, None, False, False), n
+                state, grads, new_buffers, output_type(loss, metrics, None, False, False), n
             )
 
         if strategy.world_size > 1:
@@ -253,14 +468,81 @@ class TrainStep:
         if scaler is not None:
             grads, finite = scaler.unscale(grads, precision_state)
             precision_state = scaler.adjust(precision_state, finite)
-        output = StepOutput(loss, metrics, None, True, not finite)
+        if strategy.world_size > 1 and new_buffers:
+            new_buffers = strategy.sync_step_buffers(new_buffers)
+        output = output_type(loss, metrics, None, True, not finite)
         state = state.replace(buffers=new_buffers, precision=precision_state)
         return state, Gradients(grads, finite, output, n)
+
+    def apply(self, state: TrainState, grads: Gradients) -> tuple[TrainState, StepOutput]:
+        """The second half of a step: the optimizer update on gradients from ``backward``.
+
+        Consumes ``grads``: the optimizer may reuse their storage, so apply each
+        ``Gradients`` once.
+        """
+        if not grads.ready:
+            raise ValueError("these gradients are not ready: the accumulation window is open")
+        values = grads.grads
+        norms = self._tensor_norms(values)
+        if grads.finite:
+            new_params, opt_state = self._update(state, values, norms)
+        else:
+            new_params, opt_state = state.params, state.opt_state
+        new_state = state.replace(
+            params=new_params,
+            opt_state=opt_state,
+            progress=_advance(state.progress, grads.batch_size, True),
+            grad_accum=None,
+        )
+        reported = norms if self.compute_grad_norm else None
+        return new_state, grads.output.replace(grad_norms=reported)
+
+    # ------------------------------------------------------------------ pieces subclasses change
+
+    def _check(self, state: TrainState) -> None:
+        """Validate the first state this step sees."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a TrainState, got {type(state).__name__}")
+        self.binder.check(state.params, state.buffers)
+
+    def _samples(self, batch: Any) -> int:
+        """The samples ``batch`` adds to ``Progress.samples``."""
+        return batch_size(batch)
+
+    def _tensor_norms(self, grads: dict[str, Tensor]) -> tuple[Tensor, ...] | None:
+        """Per-tensor gradient norms for ``StepOutput.grad_norms`` (None when not reported)."""
+        if not self.compute_grad_norm:
+            return None
+        return tuple(torch._foreach_norm(list(grads.values()), 2.0))
+
+    def _update(
+        self, state: TrainState, grads: dict[str, Tensor], norms: Any
+    ) -> tuple[dict[str, Tensor], Any]:
+        """``(new params, new optimizer state)`` from the optimizer on ``grads``."""
+        params = state.params
+        trainable = self._trainable(params)
+        # The gradients are this step's own temporaries: the optimizer may reuse them.
+        with optim.donating() if self.donate else optim.owning_updates():
+            new_trainable, opt_state = optim.step(self.optimizer, grads, state.opt_state, trainable)
+        return self._merged(params, new_trainable), opt_state
+
+    # ------------------------------------------------------------------ helpers
+
+    def _first_call(self, state: TrainState) -> None:
+        self._check(state)
+        self._rng_generators = _generators_for(self.strategy, state)
+        self._checked = True
+
+    def _trainable(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        return params if self._all_trainable else {n: params[n] for n in self.trainable}
+
+    def _merged(self, params: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:
+        return new if self._all_trainable else {**params, **new}
 
     def _window(self, progress: Progress, end_window: bool | None) -> tuple[int, int, bool]:
         """``(micro-batches per window, position in the window, whether it closes now)``."""
         accumulate = self.accumulate
-        k = accumulate if isinstance(accumulate, int) else _window_size(accumulate, progress)
+        k = accumulate if isinstance(accumulate, int) else window_size(accumulate, progress)
         micro = progress.micro_step
         close = (micro + 1 >= k) if end_window is None else bool(end_window)
         return k, micro, close
@@ -284,62 +566,74 @@ class TrainStep:
         grads: dict[str, Any],
         buffers: dict[str, Any],
         output: StepOutput,
-        batch_size: int,
+        samples: int,
     ) -> tuple[TrainState, Gradients]:
         """The step of a micro-batch that leaves its accumulation window open."""
-        progress = state.progress
-        new_progress = progress.replace(
-            batch_in_epoch=progress.batch_in_epoch + 1,
-            total_batches=progress.total_batches + 1,
-            samples=progress.samples + batch_size,
-            micro_step=progress.micro_step + 1,
-        )
-        new_state = state.replace(buffers=buffers, grad_accum=grads, progress=new_progress)
-        return new_state, Gradients(None, True, output, batch_size)
-
-    def apply(self, state: TrainState, grads: Gradients) -> tuple[TrainState, StepOutput]:
-        """The second half of a step: the optimizer update on gradients from ``backward``.
-
-        Consumes ``grads``: the optimizer may reuse their storage, so apply each
-        ``Gradients`` once.
-        """
-        if not grads.ready:
-            raise ValueError("these gradients are not ready: the accumulation window is open")
-        params = state.params
-        progress = state.progress
-        values = grads.grads
-        norms = (
-            tuple(torch._foreach_norm(list(values.values()), 2.0))
-            if self.compute_grad_norm
-            else None
-        )
-        if grads.finite:
-            trainable = params if self._all_trainable else {n: params[n] for n in self.trainable}
-            # The gradients are this step's own temporaries: the optimizer may reuse them.
-            with optim.donating() if self.donate else optim.owning_updates():
-                new_trainable, opt_state = optim.step(
-                    self.optimizer, values, state.opt_state, trainable
-                )
-            new_params = new_trainable if self._all_trainable else {**params, **new_trainable}
-        else:
-            new_params, opt_state = params, state.opt_state
-
-        new_progress = progress.replace(
-            step=progress.step + 1,
-            batch_in_epoch=progress.batch_in_epoch + 1,
-            total_batches=progress.total_batches + 1,
-            samples=progress.samples + grads.batch_size,
-            micro_step=0,
-        )
         new_state = state.replace(
-            params=new_params,
-            opt_state=opt_state,
-            progress=new_progress,
-            grad_accum=None,
+            buffers=buffers, grad_accum=grads, progress=_advance(state.progress, samples, False)
         )
-        return new_state, grads.output.replace(grad_norms=norms)
+        return new_state, Gradients(None, True, output, samples)
 
     # ------------------------------------------------------------------ gradients
+
+    def _gradients(self, params, buffers, batch, key, loss_scale, divisor):
+        """``(owned grads, loss, metrics, new buffers)`` of one micro-batch, with the purity
+        checks around the forward pass (see the class doc)."""
+        param_versions = [p._version for p in params.values()]
+        if self.donate or not buffers:
+            bound, kept, kept_versions = buffers, None, None
+        else:
+            bound, kept, kept_versions = self._bind_buffers(buffers)
+        if not self._probed:
+            self._probe_unused(params, buffers, batch, key, loss_scale, divisor)
+        compute = self._grad_autograd if self.grad == "autograd" else self._grad_func
+        grads, loss, metrics, new_buffers = compute(params, bound, batch, key, loss_scale, divisor)
+        if [p._version for p in params.values()] != param_versions:
+            _raise_params_modified(modified_in_place(params, param_versions))
+        if kept:
+            self._check_kept(kept, kept_versions)
+        elif self._mutated is None and not self.donate:
+            self._mutated = self._norm_buffers | {
+                n for n, b in bound.items() if b._version != 0 or not torch.equal(b, buffers[n])
+            }
+        return owned_gradients(grads, contiguous=self._contiguous_grads), loss, metrics, new_buffers
+
+    def _bind_buffers(self, buffers):
+        """``(buffers to bind, those bound uncopied, their version counters)``."""
+        mutated = self._mutated
+        if mutated is None:  # the first call: copy all, learn which copies get written
+            return {n: b.clone() for n, b in buffers.items()}, {}, []
+        bound = {n: b.clone() if n in mutated else b for n, b in buffers.items()}
+        kept = {n: b for n, b in buffers.items() if n not in mutated}
+        spares = self._spares
+        for n, b in kept.items():
+            spare = spares.get(n)
+            if spare is None or spare[0]() is not b or spare[1] != b._version:
+                spares[n] = (weakref.ref(b), b._version, b.clone())
+        return bound, kept, [b._version for b in kept.values()]
+
+    def _check_kept(self, kept: dict[str, Tensor], versions: list[int]) -> None:
+        changed = modified_in_place(kept, versions)
+        if not changed:
+            return
+        with torch.no_grad():
+            for n in changed:
+                kept[n].copy_(self._spares.pop(n)[2])
+        self._mutated = self._mutated | frozenset(changed)
+        raise RuntimeError(
+            f"the forward pass modified buffers {changed} in place, which it had not done on "
+            "this step's first call, so the step had bound them without copying (it copies "
+            "the buffers its first call wrote). Their values in the input state have been "
+            "restored, so nothing is lost, and the step copies them from now on: calling it "
+            "again with the same state gives the correct result"
+        )
+
+    def _probe_unused(self, params, buffers, batch, key, loss_scale, divisor) -> None:
+        """Raise (through ``_named_grads``) if the loss leaves parameters unused: one
+        autograd pass on copies of the buffers, whose results are discarded."""
+        copies = {n: b.clone() for n, b in buffers.items()}
+        self._grad_autograd(params, copies, batch, key, loss_scale, divisor)
+        self._probed = True
 
     def _grad_autograd(self, params, buffers, batch, key, loss_scale, divisor):
         if self._all_trainable:
@@ -349,40 +643,34 @@ class TrainStep:
             wrt = {n: params[n].detach().requires_grad_() for n in self.trainable}
             bound_params = {**params, **wrt}
         with (
-            rng.scope(key, self._rng_devices),
+            rng.scope(key, generators=self._rng_generators),
             self.binder.bind(bound_params, buffers, True) as apply,
             torch.enable_grad(),
             self.strategy.precision.autocast(),
         ):
-            loss, metrics = _split_output(self.loss_fn(apply, batch), "loss_fn")
+            loss, metrics = split_output(self.loss_fn(apply, batch), "loss_fn")
             new_buffers = self.binder.collect_buffers() if buffers else buffers
-        target = _loss_for_grad(loss, loss_scale, divisor)
+        target = loss_for_grad(loss, loss_scale, divisor)
         grads = torch.autograd.grad(target, list(wrt.values()), allow_unused=True)
-        return (
-            self._named_grads(wrt, grads),
-            loss.detach(),
-            _detached(metrics),
-            new_buffers,
-        )
+        return self._named_grads(wrt, grads), loss.detach(), detached(metrics), new_buffers
 
     def _grad_func(self, params, buffers, batch, key, loss_scale, divisor):
-        trainable_set = set(self.trainable)
-        frozen = {n: p for n, p in params.items() if n not in trainable_set}
-        wrt = params if self._all_trainable else {n: params[n] for n in self.trainable}
+        frozen = {n: params[n] for n in self._frozen}
+        wrt = self._trainable(params)
         binder, loss_fn, precision = self.binder, self.loss_fn, self.strategy.precision
 
         def objective(trainable, buffers):
             with binder.bind({**frozen, **trainable}, buffers, True) as apply:
                 with precision.autocast():
-                    loss, metrics = _split_output(loss_fn(apply, batch), "loss_fn")
+                    loss, metrics = split_output(loss_fn(apply, batch), "loss_fn")
                 new_buffers = binder.collect_buffers() if buffers else buffers
-            return _loss_for_grad(loss, loss_scale, divisor), (loss, metrics, new_buffers)
+            return loss_for_grad(loss, loss_scale, divisor), (loss, metrics, new_buffers)
 
-        with rng.scope(key, self._rng_devices):
+        with rng.scope(key, generators=self._rng_generators):
             grads, (loss, metrics, new_buffers) = torch.func.grad(objective, has_aux=True)(
                 wrt, buffers
             )
-        return dict(grads), loss.detach(), _detached(metrics), new_buffers
+        return dict(grads), loss.detach(), detached(metrics), new_buffers
 
     def _named_grads(self, wrt, grads):
         names = list(wrt)
@@ -396,34 +684,6 @@ class TrainStep:
                 )
             grads = [torch.zeros_like(wrt[n]) if g is None else g for n, g in zip(names, grads)]
         return dict(zip(names, grads))
-
-    def _check(self, state: TrainState) -> None:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"expected a TrainState, got {type(state).__name__}")
-        self.binder.check(state.params, state.buffers)
-        self._checked = True
-
-
-def _loss_for_grad(loss: torch.Tensor, scale: float, divisor: int) -> torch.Tensor:
-    if loss.dim() != 0 and loss.numel() != 1:
-        raise ValueError(f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
-    if not loss.requires_grad:
-        raise RuntimeError(
-            "the loss does not depend on any trainable parameter (it has no grad_fn); "
-            "did the loss function detach it or run under torch.no_grad()?"
-        )
-    if divisor != 1:
-        loss = loss / divisor
-    if scale != 1.0:
-        loss = loss * scale
-    return loss
-
-
-def _window_size(accumulate: Callable[[Progress], int], progress: Progress) -> int:
-    k = accumulate(progress)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"the accumulation schedule returned {k!r}; it must be an int >= 1")
-    return k
 
 
 def train_step(
@@ -446,8 +706,8 @@ def train_step(
     input state is then consumed and must not be used again); saves memory and time.
     ``grad``: ``"autograd"`` (fast: ``torch.autograd.grad``) or ``"func"``
     (``torch.func.grad``, composable with ``vmap``). ``allow_unused``: treat the gradient of
-    parameters the loss does not use as zero instead of raising. ``grad_norm``: report the
-    global gradient norm in the output.
+    parameters the loss does not use as zero instead of raising (both ``grad`` modes).
+    ``grad_norm``: report the global gradient norm in the output.
     """
     if strategy is not None:
         built = strategy.build_train_step(
@@ -478,50 +738,56 @@ def train_step(
 # ---------------------------------------------------------------------- eval and predict
 
 
-class _NoGradStep:
-    """Shared machinery of the eval and predict steps: bind, eval mode, no grad, scoped RNG."""
+class NoGradStep:
+    """Shared machinery of the eval and predict steps: bind, eval mode, no grad, scoped RNG,
+    and the check that the forward pass left the state's parameters and buffers alone."""
 
     purpose = rng.Purpose.EVAL
 
-    def __init__(self, model: nn.Module, fn: Callable[[nn.Module, Any], Any], strategy):
+    def __init__(
+        self,
+        model: nn.Module,
+        fn: Callable[[nn.Module, Any], Any],
+        strategy: Strategy | None = None,
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self.model = model
         self.fn = fn
         self.strategy = strategy if strategy is not None else Local()
         self.binder = Binder(model)
-        self._rng_devices = self.strategy.rng_devices()
+        self._rng_generators = rng.default_generators()  # until the first call: see _run
         self._checked = False
+
+    def _check(self, state: TrainState) -> None:
+        """Validate the first state this step sees."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a TrainState, got {type(state).__name__}")
+        self.binder.check(state.params, state.buffers)
+
+    def _forward(self, params: dict, buffers: dict, batch: Any) -> Any:
+        """``fn`` on the template bound to ``params`` and ``buffers`` in eval mode."""
+        with self.binder.bind(params, buffers, False) as apply, self.strategy.precision.autocast():
+            return self.fn(apply, batch)
 
     def _run(self, state: TrainState, batch: Any, index: int) -> Any:
         if not self._checked:
-            if not isinstance(state, TrainState):
-                raise TypeError(f"expected a TrainState, got {type(state).__name__}")
-            self.binder.check(state.params, state.buffers)
+            self._check(state)
+            self._rng_generators = _generators_for(self.strategy, state)
             self._checked = True
         strategy = self.strategy
         batch = strategy.precision.convert_input(strategy.place(batch))
         key = rng.fold_in(state.rng, self.purpose, state.progress.step, index, strategy.rank)
-        buffers = state.buffers
-        versions = [b._version for b in buffers.values()]
-        with (
-            rng.scope(key, self._rng_devices),
-            self.binder.bind(state.params, buffers, False) as apply,
-            torch.no_grad(),
-            strategy.precision.autocast(),
-        ):
-            out = self.fn(apply, batch)
-        if versions != [b._version for b in buffers.values()]:
-            changed = [n for (n, b), v in zip(buffers.items(), versions) if b._version != v]
-            raise RuntimeError(
-                f"the model modified buffers {changed} in place in eval mode, which would "
-                "change the training state; make the forward pass leave buffers alone in "
-                "eval mode"
-            )
+        params, buffers = state.params, state.buffers
+        param_versions = [p._version for p in params.values()]
+        buffer_versions = [b._version for b in buffers.values()]
+        with rng.scope(key, generators=self._rng_generators), torch.no_grad():
+            out = self._forward(params, buffers, batch)
+        check_unchanged(params, param_versions, buffers, buffer_versions)
         return out
 
 
-class EvalStep(_NoGradStep):
+class EvalStep(NoGradStep):
     """``step(state, batch, index=0) -> dict[str, Tensor]``: metrics, ``"loss"`` included."""
 
     purpose = rng.Purpose.EVAL
@@ -529,12 +795,12 @@ class EvalStep(_NoGradStep):
     def __call__(self, state: TrainState, batch: Any, *, index: int = 0) -> dict[str, Any]:
         out = self._run(state, batch, index)
         if isinstance(out, dict) and "loss" not in out:
-            return _detached(out)
-        loss, metrics = _split_output(out, "eval fn")
-        return {"loss": loss.detach(), **_detached(metrics)}
+            return detached(out)
+        loss, metrics = split_output(out, "eval fn")
+        return {"loss": loss.detach(), **detached(metrics)}
 
 
-class PredictStep(_NoGradStep):
+class PredictStep(NoGradStep):
     """``step(state, batch, index=0) -> whatever fn returns`` (tensors detached)."""
 
     purpose = rng.Purpose.PREDICT

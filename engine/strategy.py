@@ -10,12 +10,13 @@ strategy: tensors stay where they are, full precision, one process.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .loss_scale import DynamicLossScale
+from .tree import to_device
 
 __all__ = ["Local", "Precision", "Strategy"]
 
@@ -66,8 +67,14 @@ class Strategy:
         return self.rank == 0
 
     def place(self, tree: Any) -> Any:
-        """``tree`` with its tensors on this strategy's device."""
-        return tree
+        """``tree`` with its tensors on this strategy's device (as they are without one)."""
+        device = self.device
+        if device is None:
+            return tree
+        non_blocking = device.type == "cuda"
+        if isinstance(tree, torch.Tensor):
+            return tree if tree.device == device else tree.to(device, non_blocking=non_blocking)
+        return to_device(tree, device, non_blocking=non_blocking)
 
     def prepare_state(
         self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
@@ -98,6 +105,14 @@ class Strategy:
         """Buffers (e.g. BatchNorm statistics) combined over processes (unchanged here)."""
         return buffers
 
+    def sync_step_buffers(self, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The buffers a train-step call produced, kept in step across processes.
+
+        The train step calls it after every call (every micro-batch) when ``world_size > 1``;
+        DDP applies its ``buffers=`` policy here. Unchanged for one process.
+        """
+        return buffers
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, in rank order."""
         return [obj]
@@ -113,10 +128,6 @@ class Strategy:
     def convert_model(self, model: Any) -> Any:
         """The module template to use under this strategy (e.g. with SyncBatchNorm)."""
         return model
-
-    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """The step a loop should call under this strategy (the step itself here)."""
-        return step
 
     # Strategies that change the shape of the computation (e.g. ensembles, which vmap the
     # step over a leading axis of the state) build the state and the steps themselves.
@@ -135,15 +146,30 @@ class Strategy:
     def build_predict_step(self, model: Any, fn: Any) -> Any:
         return NotImplemented
 
-    def rng_devices(self) -> tuple[torch.device, ...]:
-        """Devices whose default generators a step must seed (CPU is always seeded)."""
-        if self.device is not None and self.device.type != "cpu":
-            return (self.device,)
-        return ()
+    def rng_devices(self, tensors: Iterable[torch.Tensor] = ()) -> tuple[torch.device, ...]:
+        """Devices whose default generators a step must seed (CPU is always seeded).
+
+        This strategy's device; without one (``Local``), the non-CPU devices of ``tensors``
+        (the steps pass the state's parameters on their first call), so that a state moved
+        to CUDA by hand draws its dropout masks from a seeded generator too.
+        """
+        device = self.device
+        if device is not None:
+            return (device,) if device.type != "cpu" else ()
+        found: dict[torch.device, None] = {}
+        for t in tensors:
+            if t.device.type != "cpu":
+                found[t.device] = None
+        return tuple(found)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, precision={self.precision.name!r})"
 
 
 class Local(Strategy):
-    """The default strategy: one process, tensors wherever they already are, full precision."""
+    """The default strategy: one process, tensors wherever they already are, full precision.
+
+    Having no device of its own, it has the steps seed the generators of the devices the
+    state's parameters are on (``rng_devices``, asked on a step's first call), so a state
+    moved to CUDA by hand draws its dropout masks from a scoped CUDA generator too.
+    """

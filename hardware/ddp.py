@@ -51,7 +51,6 @@ from __future__ import annotations
 import copy
 import datetime
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,10 +59,9 @@ from torch import nn
 
 from engine import metrics
 from engine.loss_scale import DynamicLossScale
-from engine.state import TrainState
-from engine.step import Gradients, TrainStep
+from engine.step import TrainStep
 from engine.strategy import Precision, Strategy
-from engine.tree import PyTree, flatten_with_paths, to_device
+from engine.tree import PyTree, flatten_with_paths
 
 from .collectives import all_reduce_tree, broadcast_tree, check_op, diagnosed
 from .precision import precision as make_precision
@@ -106,7 +104,6 @@ class DDP(Strategy):
         self.sync_batchnorm = sync_batchnorm
         self.buffers = buffers
         self._owns_group = owns_group
-        self._non_blocking = device.type == "cuda"
 
     def __repr__(self) -> str:
         return (
@@ -115,18 +112,8 @@ class DDP(Strategy):
             f"buffers={self.buffers!r})"
         )
 
-    # ------------------------------------------------------------------ placement
-
-    def place(self, tree: Any) -> Any:
-        if isinstance(tree, torch.Tensor):
-            if tree.device == self.device:
-                return tree
-            return tree.to(self.device, non_blocking=self._non_blocking)
-        return to_device(tree, self.device, non_blocking=self._non_blocking)
-
-    def data_options(self) -> dict[str, int]:
-        """What ``loops.data.source`` needs to give this rank its shard."""
-        return {"rank": self.rank, "world_size": self.world_size}
+    # Placement (``place``) and ``data_options`` are ``Strategy``'s: this rank's device, and
+    # this rank's shard of the data.
 
     # ------------------------------------------------------------------ state
 
@@ -177,11 +164,6 @@ class DDP(Strategy):
 
     def build_train_step(self, model: Any, loss_fn: Any, optimizer: Any, **kwargs: Any) -> Any:
         return DDPTrainStep(model, loss_fn, optimizer, strategy=self, **kwargs)
-
-    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """The step itself: the gradient all-reduce and the buffer sync live in the train
-        step that ``engine.train_step(..., strategy=ddp)`` builds (``DDPTrainStep``)."""
-        return step
 
     # ------------------------------------------------------------------ collectives
 
@@ -246,6 +228,15 @@ class DDP(Strategy):
         out = {**self.all_reduce(floating, op), **self.broadcast(other, 0)}
         return {n: out[n] for n in buffers}
 
+    def sync_step_buffers(self, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The buffers after a train-step call under the ``buffers=`` policy: rank 0's
+        ("broadcast"), averaged ("mean") or each rank's own ("local")."""
+        if not buffers or self.buffers == "local":
+            return buffers
+        if self.buffers == "broadcast":
+            return self.broadcast(buffers, 0)
+        return self.sync_buffers(buffers, "mean")
+
     def in_sync(self, tree: PyTree) -> bool:
         """Whether every rank holds bitwise the same ``tree`` (a debugging aid: hashes)."""
         digest = hashlib.sha256()
@@ -295,24 +286,14 @@ def _first_difference(ours: list, theirs: list, rank: int) -> str:
 
 
 class DDPTrainStep(TrainStep):
-    """``engine.TrainStep`` plus the strategy's buffer policy after every call.
+    """``engine.TrainStep`` under DDP.
 
     The gradients are averaged by ``TrainStep`` itself (one ``all_reduce`` per optimizer
-    step); this class only keeps buffers in step across ranks (see ``DDP``'s ``buffers``).
+    step), and after every call it passes the new buffers through
+    ``DDP.sync_step_buffers``, the ``buffers=`` policy. Note that the default policy
+    ("broadcast") sends every buffer on every micro-batch, constant ones (masks, rotary
+    tables) included, and hands the step new buffer tensors each call.
     """
-
-    def backward(
-        self, state: TrainState, batch: Any, *, end_window: bool | None = None
-    ) -> tuple[TrainState, Gradients]:
-        state, grads = super().backward(state, batch, end_window=end_window)
-        strategy = self.strategy
-        if state.buffers and strategy.buffers != "local":
-            if strategy.buffers == "broadcast":
-                synced = strategy.broadcast(state.buffers, 0)
-            else:
-                synced = strategy.sync_buffers(state.buffers, "mean")
-            state = state.replace(buffers=synced)
-        return state, grads
 
 
 # ---------------------------------------------------------------------- construction

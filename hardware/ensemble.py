@@ -46,12 +46,16 @@ Limits: a precision with a loss scaler ("16-mixed") is refused when the strategy
 (one scaler would make every member skip when one overflows). ``optim.skip_nonfinite``
 inside the optimizer decides for all members at once (one non-finite member skips the step
 for all). Parameters of a submodule without ``reset_parameters`` are not re-initialised per
-member (pass ``init_fn``).
+member (pass ``init_fn``); on a meta template they are an error (``engine.state.materialize``).
+
+**Collectives.** Every ``Strategy`` method that is not about the state's shape (placement,
+collectives, metric and buffer sync, object broadcast, model conversion, data sharding, RNG
+devices) is the base strategy's; ``build_state`` asks the base first (DDP checks the seeds).
+With a DDP base, the stacked buffers follow DDP's ``buffers=`` policy after every call.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -64,15 +68,15 @@ from torch import nn
 
 from engine import optim, rng
 from engine.bind import Binder
-from engine.state import Progress, TrainState, trainable_names
+from engine.state import Progress, TrainState, materialize, trainable_names
 from engine.step import (
-    Gradients,
+    NoGradStep,
     StepOutput,
     TrainStep,
-    _batch_size,
-    _detached,
-    _loss_for_grad,
-    _split_output,
+    batch_size,
+    detached,
+    loss_for_grad,
+    split_output,
 )
 from engine.strategy import Local, Strategy
 from engine.tree import NAMESPACE, leaves, struct
@@ -160,7 +164,8 @@ class Ensemble(Strategy):
         )
         return f"Ensemble(k={self.k}, base={self.base!r}{extras})"
 
-    # the base strategy does placement, precision and collectives
+    # the base strategy does placement, precision and collectives (every Strategy method
+    # that does not concern the state's shape; tests check that none is left out)
 
     @property
     def is_primary(self) -> bool:
@@ -181,11 +186,32 @@ class Ensemble(Strategy):
     def barrier(self) -> None:
         self.base.barrier()
 
-    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        return self.base.wrap_step(step)
+    def reduce_flag(self, flag: bool, op: str = "any") -> bool:
+        return self.base.reduce_flag(flag, op)
 
-    def rng_devices(self) -> tuple[torch.device, ...]:
-        return self.base.rng_devices()
+    def sync_metrics(self, tree: Any) -> Any:
+        return self.base.sync_metrics(tree)
+
+    def sync_buffers(self, buffers: Any, op: str = "mean") -> Any:
+        return self.base.sync_buffers(buffers, op)
+
+    def sync_step_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.base.sync_step_buffers(buffers)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.base.all_gather_object(obj)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.base.broadcast_object(obj, src)
+
+    def data_options(self) -> dict[str, int]:
+        return self.base.data_options()
+
+    def convert_model(self, model: Any) -> Any:
+        return self.base.convert_model(model)
+
+    def rng_devices(self, tensors: Any = ()) -> tuple[torch.device, ...]:
+        return self.base.rng_devices(tensors)
 
     # the state and the steps
 
@@ -199,23 +225,20 @@ class Ensemble(Strategy):
         **_: Any,
     ) -> TrainState:
         """K independently initialised members, stacked (see the module doc)."""
+        if (
+            self.base.build_state(model, optimizer, seed=seed, init_fn=init_fn)
+            is not NotImplemented
+        ):
+            raise TypeError(
+                f"the base strategy {self.base!r} builds its own state; an ensemble cannot stack it"
+            )
         run_key = rng.key(seed)
-        template = copy.deepcopy(model)
-        if any(t.is_meta for t in [*template.parameters(), *template.buffers()]):
-            template = template.to_empty(device="cpu")
         trainable = set(trainable_names(model))
         members = []
         for i in range(self.k):
-            with rng.scope(rng.fold_in(run_key, rng.Purpose.INIT, i)), torch.no_grad():
-                if init_fn is not None:
-                    init_fn(template)
-                else:
-                    for module in template.modules():
-                        reset = getattr(module, "reset_parameters", None)
-                        if callable(reset):
-                            reset()
-            params = {n: p.detach().clone() for n, p in template.named_parameters()}
-            buffers = {n: b.detach().clone() for n, b in template.named_buffers() if b is not None}
+            source = materialize(model, rng.fold_in(run_key, rng.Purpose.INIT, i), init_fn)
+            params = {n: p.detach() for n, p in source.named_parameters()}
+            buffers = {n: b.detach() for n, b in source.named_buffers() if b is not None}
             params, buffers = self.base.prepare_state(params, buffers)
             members.append(
                 TrainState(
@@ -259,7 +282,7 @@ class Ensemble(Strategy):
     def batch_size(self, batch: Any) -> int:
         """Samples per member in ``batch`` (checking the member axis of a per-member batch)."""
         if not self.per_member_batch:
-            return _batch_size(batch)
+            return batch_size(batch)
         tensors = [x for x in leaves(batch) if isinstance(x, Tensor)]
         bad = [tuple(t.shape) for t in tensors if t.dim() == 0 or t.shape[0] != self.k]
         if not tensors or bad:
@@ -296,9 +319,17 @@ class Ensemble(Strategy):
 class EnsembleTrainStep(TrainStep):
     """``step(state, batch) -> (state, out)`` for all members; out's values are ``[K]``.
 
-    Like ``engine.TrainStep`` (accumulation, ``donate``, ``backward`` / ``apply`` halves),
-    with the forward and backward passes vmapped over the member axis.
+    ``engine.TrainStep`` (accumulation, ``donate``, ``backward`` / ``apply`` halves, the
+    buffer and purity checks) with the forward and backward passes vmapped over the member
+    axis, per-member norms and clipping, and the optimizer applied per hyper-parameter group.
     """
+
+    _output_type = EnsembleStepOutput
+    # Batched matmuls hand back weight gradients as transposed views; one copy makes the
+    # per-member norms (which need each member's elements in order, as a separate run has
+    # them) and every elementwise optimizer op run on contiguous memory: measured on the
+    # benchmark's MLP, it saves about a third of the optimizer's time.
+    _contiguous_grads = True
 
     def __init__(
         self,
@@ -317,72 +348,32 @@ class EnsembleTrainStep(TrainStep):
 
     def _check(self, state: TrainState) -> None:
         self.ensemble.check_state(state, self.binder)
-        self._checked = True
 
-    def backward(
-        self, state: TrainState, batch: Any, *, end_window: bool | None = None
-    ) -> tuple[TrainState, Gradients]:
-        """Forward, backward and accumulation for every member (see ``TrainStep.backward``)."""
-        if not self._checked:
-            self._check(state)
-        ens = self.ensemble
-        progress = state.progress
-        k, micro, close = self._window(progress, end_window)
+    def _samples(self, batch: Any) -> int:
+        return self.ensemble.batch_size(batch)
 
-        batch = ens.precision.convert_input(ens.place(batch))
-        n = ens.batch_size(batch)
-        key = rng.fold_in(state.rng, rng.Purpose.TRAIN, progress.step, micro, ens.rank)
-        divisor = k if k > 1 else 1
-        buffers = state.buffers
-        if not self.donate and buffers:
-            buffers = {name: b.clone() for name, b in buffers.items()}
-        compute = self._grads_autograd if self.grad == "autograd" else self._grads_func
-        grads, loss, metrics, new_buffers = compute(state.params, buffers, batch, key, divisor)
+    def _tensor_norms(self, grads: dict[str, Tensor]) -> tuple[Tensor, ...] | None:
+        if self.compute_grad_norm or self.ensemble.clip_grad_norm is not None:
+            return member_optim.tensor_norms(grads)
+        return None
 
-        grads = self._accumulated(state, grads)
-        if not close:
-            output = EnsembleStepOutput(loss, metrics, None, False, False)
-            return self._keep_open(state, grads, new_buffers, output, n)
-        if ens.world_size > 1:
-            grads = ens.all_reduce(grads, "mean")
-        output = EnsembleStepOutput(loss, metrics, None, True, False)
-        return state.replace(buffers=new_buffers), Gradients(grads, True, output, n)
-
-    def apply(self, state: TrainState, grads: Gradients) -> tuple[TrainState, StepOutput]:
-        """The optimizer update of every member (per-member norms, clipping, hparams)."""
-        if not grads.ready:
-            raise ValueError("these gradients are not ready: the accumulation window is open")
+    def _update(self, state: TrainState, grads: dict[str, Tensor], norms: Any) -> tuple:
+        """The optimizer update of every member (per-member clipping and hparams)."""
         params = state.params
-        progress = state.progress
-        values = grads.grads
-        trainable = params if self._all_trainable else {n: params[n] for n in self.trainable}
+        trainable = self._trainable(params)
         if not self._optimizer_checked:
             if trainable:
                 member_optim.check_separable(self.optimizer, trainable)
             self._optimizer_checked = True
         max_norm = self.ensemble.clip_grad_norm
-        norms = None
-        if self.compute_grad_norm or max_norm is not None:
-            norms = member_optim.tensor_norms(values)
         if max_norm is not None:
-            values = member_optim.clip(values, member_optim.combine_norms(norms), max_norm)
+            grads = member_optim.clip(grads, member_optim.combine_norms(norms), max_norm)
         # The gradients are this step's own temporaries: the optimizer may reuse them.
         with optim.donating() if self.donate else optim.owning_updates():
             new_trainable, opt_state = member_optim.step(
-                self.optimizer, values, state.opt_state, trainable
+                self.optimizer, grads, state.opt_state, trainable
             )
-        new_params = new_trainable if self._all_trainable else {**params, **new_trainable}
-        new_progress = progress.replace(
-            step=progress.step + 1,
-            batch_in_epoch=progress.batch_in_epoch + 1,
-            total_batches=progress.total_batches + 1,
-            samples=progress.samples + grads.batch_size,
-            micro_step=0,
-        )
-        new_state = state.replace(
-            params=new_params, opt_state=opt_state, progress=new_progress, grad_accum=None
-        )
-        return new_state, grads.output.replace(grad_norms=norms if self.compute_grad_norm else None)
+        return self._merged(params, new_trainable), opt_state
 
     # gradients
 
@@ -392,7 +383,7 @@ class EnsembleTrainStep(TrainStep):
         def forward(params: dict, buffers: dict, batch: Any) -> tuple:
             with binder.bind(params, buffers, True) as apply:
                 with precision.autocast():
-                    loss, metrics = _split_output(loss_fn(apply, batch), "loss_fn")
+                    loss, metrics = split_output(loss_fn(apply, batch), "loss_fn")
                 new_buffers = binder.collect_buffers() if buffers else buffers
             return loss, aux.flatten(metrics), new_buffers
 
@@ -406,7 +397,7 @@ class EnsembleTrainStep(TrainStep):
             )
         return loss.reshape(self.ensemble.k)
 
-    def _grads_autograd(self, params, buffers, batch, key, divisor):
+    def _grad_autograd(self, params, buffers, batch, key, loss_scale, divisor):
         wrt = {n: params[n].detach().requires_grad_() for n in self.trainable}
         bound = wrt if self._all_trainable else {**params, **wrt}
         aux = _Aux()
@@ -430,79 +421,59 @@ class EnsembleTrainStep(TrainStep):
             return (loss, *tensors, *(new_buffers[n] for n in b_names))
 
         vmapped = torch.func.vmap(flat_forward, in_dims=in_dims, randomness="different")
-        with rng.scope(key, self._rng_devices), torch.enable_grad():
+        with rng.scope(key, generators=self._rng_generators), torch.enable_grad():
             outs = vmapped(*bound.values(), *buffers.values(), *leaves)
         loss = self._member_losses(outs[0])
         tensors = outs[1 : len(outs) - n_b]
         new_buffers = dict(zip(b_names, outs[len(outs) - n_b :])) if n_b else buffers
-        target = _loss_for_grad(loss.sum() if divisor == 1 else (loss / divisor).sum(), 1.0, 1)
+        target = loss_for_grad(loss.sum() if divisor == 1 else (loss / divisor).sum(), 1.0, 1)
         grads = torch.autograd.grad(target, list(wrt.values()), allow_unused=True)
-        metrics = _detached(aux.unflatten(tensors))
-        return _contiguous(self._named_grads(wrt, grads)), loss.detach(), metrics, new_buffers
+        metrics = detached(aux.unflatten(tensors))
+        return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 
-    def _grads_func(self, params, buffers, batch, key, divisor):
-        trainable = set(self.trainable)
-        frozen = {n: p for n, p in params.items() if n not in trainable}
-        wrt = params if self._all_trainable else {n: params[n] for n in self.trainable}
+    def _grad_func(self, params, buffers, batch, key, loss_scale, divisor):
+        frozen = {n: params[n] for n in self._frozen}
+        wrt = self._trainable(params)
         aux = _Aux()
         forward = self._member_forward(aux)
 
         def objective(wrt: dict, frozen: dict, buffers: dict, batch: Any) -> tuple:
             loss, tensors, new_buffers = forward({**frozen, **wrt}, buffers, batch)
-            return _loss_for_grad(loss, 1.0, divisor), (loss, tensors, new_buffers)
+            return loss_for_grad(loss, 1.0, divisor), (loss, tensors, new_buffers)
 
         fn = torch.func.vmap(
             torch.func.grad(objective, has_aux=True),
             in_dims=(0, 0, 0, self.ensemble.batch_dim),
             randomness="different",
         )
-        with rng.scope(key, self._rng_devices):
+        with rng.scope(key, generators=self._rng_generators):
             grads, (loss, tensors, new_buffers) = fn(wrt, frozen, buffers, batch)
         loss = self._member_losses(loss).detach()
-        return _contiguous(grads), loss, _detached(aux.unflatten(tensors)), new_buffers
-
-
-def _contiguous(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Gradients in row-major layout.
-
-    Batched matmuls hand back weight gradients as transposed views; one copy here makes the
-    per-member norms (which need each member's elements in order, as a separate run has
-    them) and every elementwise optimizer op run on contiguous memory: measured on the
-    benchmark's MLP, it saves about a third of the optimizer's time.
-    """
-    return {n: g if g.is_contiguous() else g.contiguous() for n, g in grads.items()}
+        return dict(grads), loss, detached(aux.unflatten(tensors)), new_buffers
 
 
 # --------------------------------------------------------------------------- eval and predict
 
 
-class _EnsembleNoGrad:
+class _EnsembleNoGrad(NoGradStep):
     """Eval mode, no gradients, vmapped over members, under a key of the state."""
 
     purpose = rng.Purpose.EVAL
 
     def __init__(self, ensemble: Ensemble, model: nn.Module, fn: Callable[[nn.Module, Any], Any]):
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        super().__init__(model, fn, ensemble)
         self.ensemble = ensemble
-        self.model = model
-        self.fn = fn
-        self.binder = Binder(model)
-        self._rng_devices = ensemble.rng_devices()
-        self._checked = False
+
+    def _check(self, state: TrainState) -> None:
+        self.ensemble.check_state(state, self.binder)
 
     def _finish(self, out: Any) -> Any:
         return out
 
-    def _run(self, state: TrainState, batch: Any, index: int) -> Any:
+    def _forward(self, params: dict, buffers: dict, batch: Any) -> Any:
         ens = self.ensemble
-        if not self._checked:
-            ens.check_state(state, self.binder)
-            self._checked = True
-        batch = ens.precision.convert_input(ens.place(batch))
         if ens.per_member_batch:
             ens.batch_size(batch)
-        key = rng.fold_in(state.rng, self.purpose, state.progress.step, index, ens.rank)
         binder, fn, finish, precision = self.binder, self.fn, self._finish, ens.precision
         aux = _Aux()
 
@@ -510,19 +481,9 @@ class _EnsembleNoGrad:
             with binder.bind(params, buffers, False) as apply, precision.autocast():
                 return aux.flatten(finish(fn(apply, batch)))
 
-        buffers = state.buffers
-        versions = [b._version for b in buffers.values()]
-        with rng.scope(key, self._rng_devices), torch.no_grad():
-            tensors = torch.func.vmap(run, in_dims=(0, 0, ens.batch_dim), randomness="different")(
-                state.params, buffers, batch
-            )
-        if versions != [b._version for b in buffers.values()]:
-            changed = [n for (n, b), v in zip(buffers.items(), versions) if b._version != v]
-            raise RuntimeError(
-                f"the model modified buffers {changed} in place in eval mode, which would "
-                "change the training state; make the forward pass leave buffers alone in "
-                "eval mode"
-            )
+        tensors = torch.func.vmap(run, in_dims=(0, 0, ens.batch_dim), randomness="different")(
+            params, buffers, batch
+        )
         return aux.unflatten([t.detach() for t in tensors])
 
 
@@ -534,7 +495,7 @@ class EnsembleEvalStep(_EnsembleNoGrad):
     def _finish(self, out: Any) -> Any:
         if isinstance(out, dict) and "loss" not in out:
             return out
-        loss, metrics = _split_output(out, "eval fn")
+        loss, metrics = split_output(out, "eval fn")
         return {"loss": loss, **metrics}
 
     def __call__(self, state: TrainState, batch: Any, *, index: int = 0) -> dict[str, Any]:

@@ -241,8 +241,7 @@ def combine_norms(norms: tuple[Tensor, ...]) -> Tensor:
     """
     if not norms:
         return torch.zeros(0)
-    first = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms], dim=-1), 2.0, dim=-1)
+    return tree.combine_norms(norms)
 
 
 def member_norms(grads: dict[str, Tensor]) -> Tensor:

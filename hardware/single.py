@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from engine.loss_scale import DynamicLossScale
 from engine.strategy import Precision, Strategy
-from engine.tree import to_device
 
 from .precision import precision as make_precision
 
@@ -16,19 +13,12 @@ __all__ = ["SingleDevice", "single_device"]
 
 
 class SingleDevice(Strategy):
-    """Everything on ``device``; collectives are identities; this process is the primary."""
+    """Everything on ``device`` (``Strategy.place``); collectives are identities; this
+    process is the primary."""
 
     def __init__(self, device: torch.device, precision: Precision) -> None:
         self.device = device
         self.precision = precision
-        self._non_blocking = device.type == "cuda"
-
-    def place(self, tree: Any) -> Any:
-        if isinstance(tree, torch.Tensor):
-            if tree.device == self.device:
-                return tree
-            return tree.to(self.device, non_blocking=self._non_blocking)
-        return to_device(tree, self.device, non_blocking=self._non_blocking)
 
 
 def _default_device() -> torch.device:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.state import TrainState
-from engine.step import _batch_size
+from engine.step import batch_size
 
 from . import aggregate, loop_state, schedule
 from .data import length
@@ -99,7 +99,7 @@ def run_evaluation(
                 state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
                 out = step(state, batch, index=batch_idx)
                 resolved = aggregate.resolve(out, stage)
-                acc = aggregate.accumulate(acc, resolved, _batch_size(batch))
+                acc = aggregate.accumulate(acc, resolved, batch_size(batch))
                 specs.update(aggregate.specs_of(resolved))
                 if not sanity:
                     to_log, _, _ = aggregate.step_values(resolved)
@@ -204,5 +204,3 @@ def test(
 
 
 test.__test__ = False  # not a pytest test
-
-

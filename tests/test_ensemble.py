@@ -228,6 +228,33 @@ def test_meta_template_and_init_fn():
     assert not torch.equal(custom.params["0.weight"][0], custom.params["0.weight"][1])
 
 
+class _Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.fc(x) * self.gain
+
+
+def test_a_meta_template_with_tensors_no_reset_initialises_is_refused():
+    with torch.device("meta"):
+        meta = _Gain()
+    ens = hardware.ensemble(2)
+    with pytest.raises(ValueError, match=r"\['gain'\] are not initialised.*init_fn="):
+        engine.init(meta, optim.sgd(0.1), seed=0, strategy=ens)
+
+    def init_fn(module):
+        module.fc.reset_parameters()
+        module.gain.fill_(1.0)
+
+    a = engine.init(meta, optim.sgd(0.1), seed=0, strategy=ens, init_fn=init_fn)
+    b = engine.init(meta, optim.sgd(0.1), seed=0, strategy=ens, init_fn=init_fn)
+    assert digest(a) == digest(b)
+    assert torch.equal(a.params["gain"], torch.ones(2, 3))
+
+
 # --------------------------------------------------------------------------- randomness
 
 
@@ -484,6 +511,110 @@ def test_per_member_values_for_a_scheduled_hyperparameter_are_refused():
     state = engine.init(net, opt, strategy=ens)
     with pytest.raises(ValueError, match="recomputes it every step"):
         engine.train_step(net, loss_fn, opt, strategy=ens)(state, batches(1)[0])
+
+
+# --------------------------------------------------------------------------- the base strategy
+
+
+class _RecordingBase(engine.Strategy):
+    """A base strategy that records which of its methods the ensemble called."""
+
+    rank, world_size = 1, 2
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if callable(attr) and not name.startswith("_") and name != "calls":
+            self.calls.append(name)
+        return attr
+
+
+# Methods about the shape of the state and the steps, which the ensemble builds itself.
+_OWN = {"build_train_step", "build_eval_step", "build_predict_step"}
+
+
+def _public_strategy_methods():
+    return sorted(
+        name
+        for name in dir(engine.Strategy)
+        if not name.startswith("_") and callable(getattr(engine.Strategy, name))
+    )
+
+
+def test_every_strategy_method_is_defined_by_the_ensemble():
+    """Fails when ``Strategy`` grows a method that ``Ensemble`` does not forward."""
+    properties = [
+        name
+        for name in dir(engine.Strategy)
+        if isinstance(getattr(engine.Strategy, name), property)
+    ]
+    assert "is_primary" in properties
+    inherited = [
+        name
+        for name in [*_public_strategy_methods(), *properties]
+        if name not in hardware.Ensemble.__dict__
+    ]
+    assert inherited == []
+
+
+def test_every_strategy_method_reaches_the_base():
+    base = _RecordingBase()
+    ens = hardware.ensemble(2, base)
+    x = {"b": torch.ones(2)}
+    calls = {
+        "place": lambda: ens.place(x),
+        "prepare_state": lambda: ens.prepare_state(x, x),
+        "all_reduce": lambda: ens.all_reduce(x),
+        "broadcast": lambda: ens.broadcast(x),
+        "barrier": lambda: ens.barrier(),
+        "reduce_flag": lambda: ens.reduce_flag(True),
+        "sync_metrics": lambda: ens.sync_metrics(x),
+        "sync_buffers": lambda: ens.sync_buffers(x),
+        "sync_step_buffers": lambda: ens.sync_step_buffers(x),
+        "all_gather_object": lambda: ens.all_gather_object(1),
+        "broadcast_object": lambda: ens.broadcast_object(1),
+        "data_options": lambda: ens.data_options(),
+        "convert_model": lambda: ens.convert_model(mlp()),
+        "rng_devices": lambda: ens.rng_devices(),
+        "build_state": lambda: ens.build_state(mlp(), optim.sgd(0.1)),
+    }
+    assert sorted([*calls, *_OWN]) == _public_strategy_methods()
+    for name, call in calls.items():
+        base.calls.clear()
+        call()
+        assert name in base.calls, name
+    assert ens.data_options() == {"rank": 1, "world_size": 2}
+    assert not ens.is_primary and (ens.rank, ens.world_size) == (1, 2)
+
+
+def test_a_base_that_builds_its_own_state_is_refused():
+    class Builds(engine.Strategy):
+        def build_state(self, model, optimizer, **kwargs):
+            return "a state"
+
+    with pytest.raises(TypeError, match="builds its own state"):
+        engine.init(mlp(), optim.sgd(0.1), strategy=hardware.ensemble(2, Builds()))
+
+
+def test_the_buffers_follow_the_base_policy_after_every_call():
+    class Halving(engine.Strategy):
+        world_size = 2
+
+        def all_reduce(self, tree, op="mean"):
+            return tree
+
+        def sync_step_buffers(self, buffers):
+            return {n: b / 2 if b.is_floating_point() else b for n, b in buffers.items()}
+
+    net, opt = mlp(batchnorm=True), optim.sgd(0.1)
+    plain, halving = hardware.ensemble(2), hardware.ensemble(2, Halving())
+    state = engine.init(net, opt, strategy=plain)
+    batch = batches(1)[0]
+    expected, _ = engine.train_step(net, loss_fn, opt, strategy=plain)(state, batch)
+    got, _ = engine.train_step(net, loss_fn, opt, strategy=halving)(state, batch)
+    assert torch.equal(got.buffers["1.running_mean"], expected.buffers["1.running_mean"] / 2)
 
 
 def test_other_bad_input():

@@ -94,3 +94,116 @@ def test_parametrized_modules_train_through_their_original_tensor():
     new, _ = engine.train_step(net, loss_fn, opt)(state, (x, y))
     changed = new.params["0.parametrizations.weight.original"]
     assert not torch.equal(changed, state.params["0.parametrizations.weight.original"])
+
+
+# --------------------------------------------------------------------------- meta templates
+
+
+class _Rotary(nn.Module):
+    """Tensors no ``reset_parameters`` recreates: a bare gain, a computed table, a counter
+    and a bool mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mask", torch.ones(4, dtype=torch.bool))
+
+    def forward(self, x):
+        return self.fc(x) * self.gain
+
+
+def _on_meta(cls):
+    with torch.device("meta"):
+        return cls()
+
+
+def test_a_meta_template_with_uninitialised_tensors_is_refused_by_name():
+    meta = _on_meta(_Rotary)
+    message = r"\['gain', 'inv_freq', 'count', 'mask'\] are not initialised.*init_fn="
+    with pytest.raises(ValueError, match=message):
+        engine.init(meta, optim.sgd(0.1), seed=0)
+    with pytest.raises(ValueError, match=r"\['count', 'mask'\] are not initialised by init_fn"):
+        engine.init(
+            meta,
+            optim.sgd(0.1),
+            init_fn=lambda m: (m.fc.reset_parameters(), m.gain.zero_(), m.inv_freq.zero_()),
+        )
+
+
+def _full_init(module):
+    module.fc.reset_parameters()
+    module.gain.fill_(1.0)
+    module.inv_freq.copy_(1.0 / 10000 ** (torch.arange(0, 4, 2) / 4))
+    module.count.data = torch.zeros((), dtype=torch.long)  # a .data write counts as one
+    module.mask.data.fill_(True)
+
+
+def test_a_meta_template_with_init_fn_is_a_pure_function_of_the_seed():
+    meta = _on_meta(_Rotary)
+    a = engine.init(meta, optim.sgd(0.1), seed=3, init_fn=_full_init)
+    _ = torch.empty(10_000).fill_(7.0)  # leave other bytes in the allocator
+    b = engine.init(meta, optim.sgd(0.1), seed=3, init_fn=_full_init)
+    c = engine.init(meta, optim.sgd(0.1), seed=4, init_fn=_full_init)
+    tree.assert_trees_equal(a.params, b.params)
+    tree.assert_trees_equal(a.buffers, b.buffers)
+    assert not torch.equal(a.params["fc.weight"], c.params["fc.weight"])
+    assert torch.equal(a.params["gain"], torch.ones(4))
+    tree.assert_trees_equal(a.buffers, dict(_Rotary().named_buffers()))
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def test_materialize_resets_a_real_template_and_keeps_what_no_reset_writes():
+    net = _Rotary()
+    net.gain.data.fill_(2.0)
+    key = engine.rng.key(0)
+    copy = engine.materialize(net, key)
+    assert copy is not net and torch.equal(copy.gain, net.gain)
+    assert not torch.equal(copy.fc.weight, net.fc.weight)
+    tree.assert_trees_equal(
+        dict(engine.materialize(net, key).named_parameters()), dict(copy.named_parameters())
+    )
+
+
+# --------------------------------------------------------------------------- train() overrides
+
+
+class _KeepsNormFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+
+def test_binder_calls_a_train_override_when_the_mode_changes_and_restores_the_flags():
+    net = _KeepsNormFrozen()
+    binder = Binder(net)
+    params = dict(net.named_parameters())
+    buffers = dict(net.named_buffers())
+    net.eval()
+    with binder.bind(params, buffers, training=True):
+        assert net.training and net.fc.training and not net.bn.training
+    assert not any(m.training for m in net.modules())
+    net.train()
+    flags = [m.training for m in net.modules()]
+    with binder.bind(params, buffers, training=True):
+        assert [m.training for m in net.modules()] == flags  # already in its train mode
+    with binder.bind(params, buffers, training=False):
+        assert not any(m.training for m in net.modules())
+    assert [m.training for m in net.modules()] == flags
+
+
+def test_binder_without_overrides_keeps_the_fast_flag_flipping():
+    net = mlp(batchnorm=True)
+    net.train()
+    net[1].eval()  # set by hand, not by a train() override: train mode means all modules
+    with Binder(net).bind(dict(net.named_parameters()), dict(net.named_buffers()), True):
+        assert all(m.training for m in net.modules())
+    assert not net[1].training and net.training

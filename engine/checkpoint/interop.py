@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.bind import canonical_names
 from engine.state import TrainState
 
 from .codec import CheckpointError
@@ -25,27 +26,12 @@ from .safe_load import torch_load
 __all__ = ["export_state_dict", "load_weights", "read_state_dict"]
 
 
-def _canonical_names(model: nn.Module) -> dict[str, str]:
-    """``slot name -> canonical name`` for every parameter and buffer slot of ``model``.
-
-    A tensor reachable under several names (tied weights) is stored in a state once, under
-    the first name ``named_parameters`` / ``named_buffers`` give it: its canonical name.
-    """
-    canonical: dict[int, str] = {}
-    slots: dict[str, str] = {}
-    for named in (model.named_parameters, model.named_buffers):
-        for name, tensor in named(remove_duplicate=False):
-            if tensor is not None:
-                slots[name] = canonical.setdefault(id(tensor), name)
-    return slots
-
-
 def export_state_dict(state: TrainState, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The state's weights as a ``state_dict`` (with ``model``: its exact keys and order)."""
     tensors = {**state.params, **state.buffers}
     if model is None:
         return dict(tensors)
-    by_slot = _canonical_names(model)
+    by_slot = canonical_names(model)
     out = {}
     for key in model.state_dict(keep_vars=True):
         source = by_slot.get(key)
@@ -101,7 +87,7 @@ def load_weights(
     """
     sd = read_state_dict(source)
     kinds = {**{n: "params" for n in state.params}, **{n: "buffers" for n in state.buffers}}
-    slot_names = {**{n: n for n in kinds}, **_canonical_names(model)}
+    slot_names = {**{n: n for n in kinds}, **canonical_names(model)}
     # What the source must cover: the model's state_dict (persistent tensors only; the
     # state keeps its own values of non-persistent buffers), by canonical name.
     required = {slot_names[k] for k in model.state_dict(keep_vars=True) if k in slot_names}
