@@ -202,6 +202,13 @@ def owned_gradients(grads: dict[str, Tensor], *, contiguous: bool = False) -> di
     per tensor). ``contiguous=True`` also makes every gradient row-major (the ensemble's
     per-member arithmetic wants that); the copies it makes count as owned.
     """
+    ids = set()
+    for g in grads.values():  # the usual case, checked cheaply: distinct, dense, not views
+        if g._base is not None or not g.is_contiguous() or id(g) in ids:
+            break
+        ids.add(id(g))
+    else:
+        return grads
     seen: set[int] = set()
     out: dict[str, Tensor] | None = None
     for name, g in grads.items():
