@@ -50,6 +50,7 @@ __all__ = [
     "loss_for_grad",
     "modified_in_place",
     "owned_gradients",
+    "scalar_gradients",
     "predict_step",
     "split_output",
     "train_step",
@@ -190,6 +191,23 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
+_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def scalar_gradients(loss: Tensor, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(loss, inputs, allow_unused=True)`` for a scalar loss.
+
+    Calls torch's autograd engine entry point directly when this torch has it and ``loss`` is
+    a plain tensor: the public wrapper's argument handling costs about 25 µs, a tenth of a
+    small model's step. Same engine call, same results (the parity tests compare bitwise);
+    the public API otherwise.
+    """
+    if _RUN_BACKWARD is None or type(loss) is not Tensor:
+        return torch.autograd.grad(loss, inputs, allow_unused=True)
+    one = torch.ones_like(loss, memory_format=torch.preserve_format)
+    return _RUN_BACKWARD((loss,), (one,), False, False, inputs, True, accumulate_grad=False)
+
+
 def owned_gradients(grads: dict[str, Tensor], *, contiguous: bool = False) -> dict[str, Tensor]:
     """``grads`` with every tensor safe to overwrite in place on its own.
 
@@ -202,11 +220,18 @@ def owned_gradients(grads: dict[str, Tensor], *, contiguous: bool = False) -> di
     per tensor). ``contiguous=True`` also makes every gradient row-major (the ensemble's
     per-member arithmetic wants that); the copies it makes count as owned.
     """
-    ids = set()
-    for g in grads.values():  # the usual case, checked cheaply: distinct, dense, not views
-        if g._base is not None or not g.is_contiguous() or id(g) in ids:
+    owners = set()
+    for g in grads.values():
+        # The usual case, checked cheaply: each gradient is its own tensor or a view of a
+        # tensor no other gradient owns (a Linear weight's gradient is a transposed view),
+        # contiguous or a plain 2-d transpose.
+        owner = id(g) if g._base is None else id(g._base)
+        if owner in owners or id(g) in owners:
             break
-        ids.add(id(g))
+        if not g.is_contiguous() and (contiguous or not (g.dim() == 2 and g.t().is_contiguous())):
+            break
+        owners.add(owner)
+        owners.add(id(g))
     else:
         return grads
     seen: set[int] = set()
@@ -658,7 +683,7 @@ class TrainStep:
             loss, metrics = split_output(self.loss_fn(apply, batch), "loss_fn")
             new_buffers = self.binder.collect_buffers() if buffers else buffers
         target = loss_for_grad(loss, loss_scale, divisor)
-        grads = torch.autograd.grad(target, list(wrt.values()), allow_unused=True)
+        grads = scalar_gradients(target, tuple(wrt.values()))
         return self._named_grads(wrt, grads), loss.detach(), detached(metrics), new_buffers
 
     def _grad_func(self, params, buffers, batch, key, loss_scale, divisor):
@@ -681,7 +706,7 @@ class TrainStep:
 
     def _named_grads(self, wrt, grads):
         names = list(wrt)
-        if any(g is None for g in grads):
+        if any(g is None for g in grads):  # not `None in grads`: that compares tensors
             unused = [n for n, g in zip(names, grads) if g is None]
             if not self.allow_unused:
                 raise RuntimeError(

@@ -74,6 +74,10 @@ class Strategy:
         non_blocking = device.type == "cuda"
         if isinstance(tree, torch.Tensor):
             return tree if tree.device == device else tree.to(device, non_blocking=non_blocking)
+        if isinstance(tree, (tuple, list)) and all(
+            isinstance(x, torch.Tensor) and x.device == device for x in tree
+        ):
+            return tree  # the usual batch, already in place: no tree walk
         return to_device(tree, device, non_blocking=non_blocking)
 
     def prepare_state(

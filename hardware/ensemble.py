@@ -76,6 +76,7 @@ from engine.step import (
     batch_size,
     detached,
     loss_for_grad,
+    scalar_gradients,
     split_output,
 )
 from engine.strategy import Local, Strategy
@@ -427,7 +428,7 @@ class EnsembleTrainStep(TrainStep):
         tensors = outs[1 : len(outs) - n_b]
         new_buffers = dict(zip(b_names, outs[len(outs) - n_b :])) if n_b else buffers
         target = loss_for_grad(loss.sum() if divisor == 1 else (loss / divisor).sum(), 1.0, 1)
-        grads = torch.autograd.grad(target, list(wrt.values()), allow_unused=True)
+        grads = scalar_gradients(target, tuple(wrt.values()))
         metrics = detached(aux.unflatten(tensors))
         return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 

@@ -504,3 +504,21 @@ def test_the_step_api_is_exported():
     for name in ("TrainStep", "Gradients", "EvalStep", "PredictStep", "batch_size"):
         assert getattr(engine, name) is getattr(engine.step, name)
     assert not hasattr(engine.Strategy, "wrap_step")
+
+
+def test_scalar_gradients_equal_the_public_api_bitwise():
+    from engine.step import scalar_gradients
+
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    unused = torch.randn(2, requires_grad=True)
+    x = torch.randn(4, 5)
+
+    def loss():
+        return ((x @ w + b).relu() ** 2).mean()
+
+    ours = scalar_gradients(loss(), (w, b, unused))
+    public = torch.autograd.grad(loss(), (w, b, unused), allow_unused=True)
+    assert ours[2] is None and public[2] is None
+    tree.assert_trees_equal(list(ours[:2]), list(public[:2]))
