@@ -71,6 +71,25 @@ class Batches(abc.ABC):
         }
 
 
+class IndexedBatches(Batches):
+    """Batches of ``self._n`` indexable samples under ``self._options``: the sized sources
+    whose order ``loops.data.order`` computes (datasets and tensors)."""
+
+    _n: int
+    _options: Options
+
+    @property
+    def options(self) -> Options:
+        return self._options
+
+    @property
+    def num_batches(self) -> int:
+        from . import order
+
+        o = self._options
+        return order.batches_per_rank(self._n, o.world_size, o.batch_size, o.drop_last)
+
+
 def length(batches: Any) -> int | float:
     """Batches per epoch of a ``Batches`` (or anything with a ``len``); ``math.inf`` when
     unsized."""

@@ -20,7 +20,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Sampler
 
 from . import order
-from .batches import Batches, check_position
+from .batches import IndexedBatches, check_position
 from .keyed import KeyedDataset, SampleKey
 from .options import Options
 from .workers import WorkerSeeder, build_loader
@@ -42,7 +42,7 @@ class PlanSampler(Sampler):
         return len(self.plan)
 
 
-class DatasetBatches(Batches):
+class DatasetBatches(IndexedBatches):
     """Batches of a map-style dataset (anything with ``__getitem__`` and ``__len__``)."""
 
     resumable = True
@@ -59,15 +59,6 @@ class DatasetBatches(Batches):
     @property
     def dataset(self) -> Any:
         return self._dataset
-
-    @property
-    def options(self) -> Options:
-        return self._options
-
-    @property
-    def num_batches(self) -> int:
-        o = self._options
-        return order.batches_per_rank(self._n, o.world_size, o.batch_size, o.drop_last)
 
     def plan(self, epoch: int, start: int = 0) -> list[Any]:
         """What the loader is asked for from batch ``start`` of ``epoch`` (lists of indices)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import order
-from .batches import Batches, check_position
+from .batches import IndexedBatches, check_position
 from .options import Options
 
 __all__ = ["TensorBatches", "check_tensors"]
@@ -34,7 +34,7 @@ def check_tensors(tensors: tuple[torch.Tensor, ...]) -> int:
     return sizes[0]
 
 
-class TensorBatches(Batches):
+class TensorBatches(IndexedBatches):
     """Batches sliced straight out of a tensor or a tuple of tensors."""
 
     resumable = True
@@ -49,15 +49,6 @@ class TensorBatches(Batches):
         self._tensors: tuple[torch.Tensor, ...] = (data,) if self._single else tuple(data)
         self._n = check_tensors(self._tensors)
         self._options = options
-
-    @property
-    def options(self) -> Options:
-        return self._options
-
-    @property
-    def num_batches(self) -> int:
-        o = self._options
-        return order.batches_per_rank(self._n, o.world_size, o.batch_size, o.drop_last)
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
         check_position(epoch, start, self.num_batches)
