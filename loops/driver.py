@@ -337,9 +337,7 @@ class Driver:
             # every process does rank 0's file work, so their barriers and states match
             work = [(r.save, r.save_weights, r.remove, r.link) for r in pending]
             work = self.strategy.broadcast_object(work, 0)
-            pending = [
-                Requests(save=a, save_weights=b, remove=c, link=d) for a, b, c, d in work
-            ]
+            pending = [Requests(save=a, save_weights=b, remove=c, link=d) for a, b, c, d in work]
         for requests in pending:
             paths = (*requests.save, *requests.save_weights)
             if paths and self.checkpointer is None:

@@ -368,8 +368,6 @@ def epoch_done(
     return Verdict(False)
 
 
-
-
 def early_stopping_on_train_epoch_end(config: LoopConfig) -> bool:
     """Where early stopping checks when not told: at train-epoch end if validation runs once
     per epoch (``val_check_interval == 1.0`` and ``check_val_every_n_epoch == 1``), else at
@@ -409,8 +407,6 @@ def is_optimizer_step(
     after limits), so a short final window still steps; windows restart every epoch.
     """
     return (batch_idx + 1) % factor == 0 or batch_idx + 1 == num_training_batches or is_last_batch
-
-
 
 
 # --------------------------------------------------------------------------- logging

@@ -49,8 +49,8 @@ def read_state_dict(source: Any, storage_options: dict[str, Any] | None = None) 
         data = torch_load(
             str(source),
             storage_options=storage_options,
-            advice="If you trust the file, extract the weights once: "
-            "torch.save(torch.load(path, weights_only=False)['state_dict'], 'w.pt'). ",
+            advice="If you trust the file, extract its weights once in a trusted session "
+            "(load it with weights_only=False and save its ['state_dict'] alone). ",
         )
     if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
         data = dict(data["state_dict"])
