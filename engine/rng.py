@@ -37,6 +37,7 @@ __all__ = [
     "hash_str",
     "key",
     "scope",
+    "seed_process",
     "split",
 ]
 
@@ -119,6 +120,21 @@ def fold_in(k: Key, *data: int | str) -> Key:
 def split(k: Key, n: int) -> list[Key]:
     """``n`` independent keys derived from ``k``."""
     return [fold_in(k, i) for i in range(n)]
+
+
+def seed_process(k: Key) -> None:
+    """Seed this whole process's torch, ``random`` and (when installed) numpy generators
+    from ``k``: for processes that own their global streams, such as DataLoader workers."""
+    import random
+
+    seed = _as_int(k, "key")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
 
 
 def generator(k: Key, device: torch.device | str = "cpu") -> torch.Generator:

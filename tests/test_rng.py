@@ -198,3 +198,22 @@ def test_scope_on_an_explicit_cuda_device_before_cuda_initialises():
     subprocess = __import__("subprocess")
     sys = __import__("sys")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
+
+
+def test_seed_process_makes_every_global_stream_follow_the_key():
+    import random
+
+    def draws(k):
+        rng.seed_process(k)
+        return torch.rand(3), random.random()
+
+    saved_torch, saved_random = torch.get_rng_state(), random.getstate()
+    try:
+        a, b, c = draws(rng.key(5)), draws(rng.key(5)), draws(rng.key(6))
+    finally:
+        torch.set_rng_state(saved_torch)
+        random.setstate(saved_random)
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+    assert not torch.equal(a[0], c[0]) and a[1] != c[1]
+    with pytest.raises(TypeError, match="key"):
+        rng.seed_process(1.5)

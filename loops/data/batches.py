@@ -89,6 +89,21 @@ class IndexedBatches(Batches):
         o = self._options
         return order.batches_per_rank(self._n, o.world_size, o.batch_size, o.drop_last)
 
+    def epoch_indices(self, epoch: int) -> Any:
+        """This rank's sample indices for ``epoch``, in order (a tensor)."""
+        from . import order
+
+        o = self._options
+        return order.rank_order(
+            self._n,
+            seed=o.seed,
+            epoch=epoch,
+            shuffle=o.shuffle,
+            rank=o.rank,
+            world_size=o.world_size,
+            drop_last=o.drop_last,
+        )
+
 
 def length(batches: Any) -> int | float:
     """Batches per epoch of a ``Batches`` (or anything with a ``len``); ``math.inf`` when

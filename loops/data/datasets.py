@@ -19,7 +19,6 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Sampler
 
-from . import order
 from .batches import IndexedBatches, check_position
 from .keyed import KeyedDataset, SampleKey
 from .options import Options
@@ -64,15 +63,7 @@ class DatasetBatches(IndexedBatches):
         """What the loader is asked for from batch ``start`` of ``epoch`` (lists of indices)."""
         check_position(epoch, start, self.num_batches)
         o = self._options
-        indices = order.rank_order(
-            self._n,
-            seed=o.seed,
-            epoch=epoch,
-            shuffle=o.shuffle,
-            rank=o.rank,
-            world_size=o.world_size,
-            drop_last=o.drop_last,
-        ).tolist()
+        indices = self.epoch_indices(epoch).tolist()
         if isinstance(self._dataset, KeyedDataset):
             indices = [SampleKey(i, epoch, o.seed) for i in indices]
         if o.batch_size is None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from . import order
 from .batches import IndexedBatches, check_position
 from .options import Options
 
@@ -56,15 +55,7 @@ class TensorBatches(IndexedBatches):
 
     def _generate(self, epoch: int, start: int) -> Iterator[Any]:
         o = self._options
-        indices = order.rank_order(
-            self._n,
-            seed=o.seed,
-            epoch=epoch,
-            shuffle=o.shuffle,
-            rank=o.rank,
-            world_size=o.world_size,
-            drop_last=o.drop_last,
-        )
+        indices = self.epoch_indices(epoch)
         on_device = {t.device: indices.to(t.device) for t in self._tensors}
         size = o.batch_size or 1
         pin = o.pin_memory and torch.cuda.is_available()

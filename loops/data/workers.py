@@ -14,7 +14,6 @@ and starting an epoch must not change the caller's random stream.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,14 +33,8 @@ def worker_key(seed: int, epoch: int, worker_id: int) -> int:
 
 
 def seed_worker(key: int) -> None:
-    """Seed this process's torch, ``random`` and (when installed) numpy generators from a key."""
-    torch.manual_seed(key)
-    random.seed(key)
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is optional
-        return
-    np.random.seed([key & 0xFFFFFFFF, key >> 32])
+    """Seed this worker process's global generators from a key (``rng.seed_process``)."""
+    rng.seed_process(key)
 
 
 class WorkerSeeder:
