@@ -23,6 +23,7 @@ see ``TrainStep`` for how it tells them apart.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -413,6 +414,9 @@ class TrainStep:
         self.strategy = strategy if strategy is not None else Local()
         self.accumulate = accumulate
         self.donate = donate
+        # Whether backward() may write the input state in place: its buffers in the forward
+        # pass, its accumulated gradients (see donating).
+        self._donate_backward = donate
         self.grad = grad
         self.allow_unused = allow_unused
         self.compute_grad_norm = grad_norm
@@ -437,6 +441,21 @@ class TrainStep:
             f"strategy={self.strategy!r}, accumulate={self.accumulate!r}, "
             f"donate={self.donate}, grad={self.grad!r})"
         )
+
+    def donating(self, *, backward: bool = True) -> TrainStep:
+        """This step as one that consumes its input state (``donate=True``), sharing what this
+        step learnt on its first call. Results are bitwise the same.
+
+        ``backward=False`` donates only in ``apply``: the first half (forward, backward,
+        accumulation) leaves the input state untouched, as without donation, and only the
+        optimizer update writes the input's parameters and optimizer state in place. So user
+        code (the loss function, callbacks between the halves) never runs on a half-written
+        state, and a failure before ``apply`` leaves the input whole; the loops rely on that.
+        """
+        twin = copy.copy(self)
+        twin.donate = True
+        twin._donate_backward = backward
+        return twin
 
     # ------------------------------------------------------------------ the step
 
@@ -587,7 +606,7 @@ class TrainStep:
         names = list(grads)
         olds = [acc[n] for n in names]
         news = list(grads.values())
-        if self.donate:
+        if self._donate_backward:
             torch._foreach_add_(olds, news)
             return dict(zip(names, olds))
         return dict(zip(names, torch._foreach_add(olds, news)))
@@ -612,7 +631,7 @@ class TrainStep:
         """``(owned grads, loss, metrics, new buffers)`` of one micro-batch, with the purity
         checks around the forward pass (see the class doc)."""
         param_versions = [p._version for p in params.values()]
-        if self.donate or not buffers:
+        if self._donate_backward or not buffers:
             bound, kept, kept_versions = buffers, None, None
         else:
             bound, kept, kept_versions = self._bind_buffers(buffers)
@@ -624,7 +643,7 @@ class TrainStep:
             _raise_params_modified(modified_in_place(params, param_versions))
         if kept:
             self._check_kept(kept, kept_versions)
-        elif self._mutated is None and not self.donate:
+        elif self._mutated is None and not self._donate_backward:
             self._mutated = self._norm_buffers | {
                 n for n, b in bound.items() if b._version != 0 or not torch.equal(b, buffers[n])
             }

@@ -133,6 +133,9 @@ class Driver:
         self.pending: list[Requests] = []
         self.logger_step = 0
         self.last_commit: TrainState | None = None
+        # Set by a loop while a donated update writes its state in place: a failure then
+        # leaves a torn state, which is never saved (see handle_exception).
+        self.torn = False
         # Called with (state, driver) at every commit point, before queued saves: the
         # Trainer checks for preemption here; a hook may raise to end the run.
         self.commit_hooks: list[Callable[[TrainState, Driver], None]] = []
@@ -401,10 +404,14 @@ class Driver:
 
         The handlers see the last committed state — the latest one the loop can resume from
         exactly — and the files they ask for are written with it (work queued by the batch
-        that failed is dropped: it described a state that was never committed). After a
-        failure other than Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in
-        Lightning. The caller re-raises or returns; this returns the last committed state
-        after ``on_exception`` (``state`` when nothing was committed yet).
+        that failed is dropped: it described a state that was never committed). A loop that
+        donates its state to the step consumes the last commit with each update (its
+        ``last_commit`` is None then): the handlers see ``state``, the latest whole state.
+        If the failure struck inside such an update (``torn``), ``state`` is half-written:
+        the handlers still run, but nothing is saved from it. After a failure other than
+        Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in Lightning. The
+        caller re-raises or returns; this returns the state the handlers saw, after
+        ``on_exception``.
         """
         interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
         self.status = "interrupted"
@@ -414,7 +421,15 @@ class Driver:
         self.pending = []
         try:
             state = self.fire("on_exception", base, exception=exc)
-            if self.pending:
+            if self.pending and self.torn:
+                self.say(
+                    "not saving the checkpoint(s) requested on this exception: it struck while "
+                    "the optimizer was updating the state in place, so the state is incomplete; "
+                    "resume from the last checkpoint saved before it (Trainer(donate_state="
+                    "False) keeps the last commit point intact, at the cost of a second copy "
+                    "of the state during each step)"
+                )
+            elif self.pending:
                 self.commit(state, hooks=False)
         finally:
             self.pending = []

@@ -69,6 +69,7 @@ class Checkpointing:
         config: Any,
         root_dir: str,
         async_save: bool = False,
+        async_copy: str = "auto",
         signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
     ) -> None:
         self.strategy = strategy
@@ -76,7 +77,9 @@ class Checkpointing:
         self.config = config
         self.root_dir = root_dir
         self.signals = tuple(signals)
-        self.saver = ck.AsyncCheckpointer() if async_save else None
+        # ``async_copy``: what an asynchronous write copies before returning (see
+        # engine.checkpoint.AsyncCheckpointer); "always" when the loop updates in place.
+        self.saver = ck.AsyncCheckpointer(copy=async_copy) if async_save else None
         self._signal: int | None = None
         self._logger_cache: tuple[Any, list[Any]] | None = None
         # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.

@@ -1,0 +1,269 @@
+"""Fit donating its own state to the step (``FitLoop(donate=True)``, ``Trainer(donate_state)``):
+bitwise the same results, the caller's state never written, the storage really reused, and
+the exception paths — latest state for the handlers, nothing saved from a torn state, Ctrl-C
+held back until an in-place update is whole."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+from engine import optim, tree
+from engine.tree import assert_trees_equal
+from loops import Trainer, fit
+from loops.callbacks import LambdaCallback, ModelCheckpoint
+from loops.config import LoopConfig
+from loops.interrupts import InterruptGuard
+from loops.loggers import MemoryLogger
+
+# --------------------------------------------------------------------------- helpers
+
+
+def loader(n=24, batch_size=4):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)
+
+
+def net(norm=False, dropout=0.0):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8)]
+    if norm:
+        layers.append(nn.BatchNorm1d(8))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+def loss_fn(apply, batch):
+    x, y = batch
+    return F.cross_entropy(apply(x), y)
+
+
+def trainer(**flags):
+    flags.setdefault("enable_progress_bar", False)
+    flags.setdefault("enable_model_summary", False)
+    flags.setdefault("enable_checkpointing", False)
+    flags.setdefault("logger", MemoryLogger())
+    flags.setdefault("max_epochs", 2)
+    return Trainer(**flags)
+
+
+def hook_after(tx, hook):
+    """``tx`` followed by a transform that calls ``hook(count)`` and passes the updates on
+    (``tx``'s in-place writes under donation have happened by then)."""
+
+    def init(params):
+        return torch.zeros((), dtype=torch.int64)
+
+    def update(updates, count, params=None):
+        hook(int(count))
+        return updates, count + 1
+
+    return optim.chain(tx, optim.GradientTransformation(init, update))
+
+
+def clone(state):
+    return tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@pytest.mark.parametrize(
+    "model, flags",
+    [
+        (dict(norm=True, dropout=0.3), {}),
+        (dict(), {"accumulate_grad_batches": 2}),
+        (dict(norm=True), {"gradient_clip_val": 0.5, "accumulate_grad_batches": {0: 1, 1: 3}}),
+    ],
+    ids=["batchnorm-dropout", "accumulation", "clipping-accumulation-schedule"],
+)
+def test_donated_fit_is_bitwise_the_immutable_one(model, flags):
+    runs = {}
+    for donate in (False, True):
+        logger = MemoryLogger()
+        t = trainer(donate_state=donate, logger=logger, **flags)
+        state = t.fit(net(**model), loss_fn, optim.adam(1e-2), loader(), loader(8))
+        runs[donate] = (state, logger.metrics)
+    assert_trees_equal(runs[True][0], runs[False][0])
+    assert [(s, sorted(m)) for s, m in runs[True][1]] == [(s, sorted(m)) for s, m in runs[False][1]]
+    for (_, a), (_, b) in zip(runs[True][1], runs[False][1]):
+        assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+
+
+def test_donated_fit_never_writes_the_callers_state():
+    model = net(norm=True)
+    opt = optim.adam(1e-2)
+    state = engine.init(model, opt, seed=3)
+    before = clone(state)
+    step = engine.train_step(model, loss_fn, opt)
+    out = fit(state, step, loader(), donate=True, config=LoopConfig.create(max_epochs=2))
+    assert out.progress.step == 12
+    assert_trees_equal(state, before)
+    # and the Trainer, given a state to continue from
+    state = engine.init(model, opt, seed=3)
+    trainer(donate_state=True).fit(model, loss_fn, opt, loader(), state=state)
+    assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_donation_reuses_the_parameters_storage(donate):
+    """From the second update on, a donating fit writes the same tensors; without donation
+    every update makes new ones (the old state is still alive as the last commit)."""
+    pointers = []
+
+    def record(ctx):
+        pointers.append(ctx.state.params["0.weight"].untyped_storage().data_ptr())
+
+    cb = LambdaCallback(name="ptr", on_train_batch_end=record)
+    trainer(donate_state=donate, callbacks=[cb]).fit(net(), loss_fn, optim.adam(1e-2), loader())
+    assert len(pointers) == 12
+    if donate:
+        assert len(set(pointers[1:])) == 1 and pointers[0] == pointers[1]
+    else:
+        assert pointers[1] != pointers[2]
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_on_exception_sees_the_last_commit_or_the_latest_whole_state(donate):
+    seen = []
+
+    def boom(ctx):
+        if ctx.batch_idx == 3:
+            raise ValueError("boom")
+
+    callbacks = [
+        LambdaCallback(name="boom", on_train_batch_end=boom),
+        LambdaCallback(name="exc", on_exception=lambda ctx: seen.append(clone(ctx.state))),
+    ]
+    t = trainer(donate_state=donate, callbacks=callbacks)
+    with pytest.raises(ValueError, match="boom"):
+        t.fit(net(), loss_fn, optim.adam(1e-2), loader())
+    (state,) = seen
+    # without donation: the commit before batch 3; with it: the state after batch 3's step
+    expected_steps = 4 if donate else 3
+    assert state.progress.step == expected_steps
+    reference = trainer(max_steps=expected_steps).fit(net(), loss_fn, optim.adam(1e-2), loader())
+    assert_trees_equal(state.params, reference.params)
+    assert_trees_equal(state.opt_state, reference.opt_state)
+
+
+def test_a_failure_inside_a_donated_update_saves_nothing_and_says_why(tmp_path):
+    def fail(count):
+        if count == 3:
+            raise RuntimeError("optimizer exploded")
+
+    said = []
+    files = {}
+    for donate in (False, True):
+        root = tmp_path / f"donate_{donate}"
+        ckpt = ModelCheckpoint(dirpath=str(root), save_on_exception=True, save_top_k=0)
+        t = trainer(donate_state=donate, enable_checkpointing=True, callbacks=[ckpt])
+        t._printer = said.append
+        with pytest.raises(RuntimeError, match="optimizer exploded"):
+            t.fit(net(), loss_fn, hook_after(optim.adam(1e-2), fail), loader())
+        files[donate] = sorted(os.listdir(root)) if root.exists() else []
+    assert files[False], "without donation the last commit is saved on the exception"
+    assert files[True] == []
+    assert any("not saving the checkpoint" in line for line in said)
+
+
+def test_ctrl_c_during_a_donated_update_waits_for_the_whole_state():
+    guard = InterruptGuard()
+    if not guard.install():
+        pytest.skip("SIGINT is not Python's default handler here")
+    guard.uninstall()
+
+    def interrupt(count):
+        if count == 3:
+            signal.raise_signal(signal.SIGINT)  # lands after Adam's in-place writes
+
+    t = trainer(donate_state=True)
+    t._printer = lambda s: None
+    state = t.fit(net(), loss_fn, hook_after(optim.adam(1e-2), interrupt), loader())
+    assert t.interrupted and state.progress.step == 4
+    reference = trainer(max_steps=4).fit(
+        net(), loss_fn, hook_after(optim.adam(1e-2), lambda c: None), loader()
+    )
+    assert_trees_equal(state.params, reference.params)
+    assert_trees_equal(state.opt_state, reference.opt_state)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_async_checkpoints_copy_the_state_when_donating(tmp_path):
+    saved = {}
+    for donate in (False, True):
+        root = tmp_path / f"d{donate}"
+        ckpt = ModelCheckpoint(dirpath=str(root), every_n_train_steps=1, save_top_k=-1)
+        t = trainer(
+            donate_state=donate, enable_checkpointing=True, callbacks=[ckpt], async_checkpoint=True
+        )
+        assert t.checkpointing.saver.copy == ("always" if donate else "auto")
+        t.fit(net(), loss_fn, optim.adam(1e-2), loader())
+        saved[donate] = {
+            name: engine.checkpoint.load(str(root / name))[0] for name in sorted(os.listdir(root))
+        }
+    assert sorted(saved[True]) == sorted(saved[False]) and len(saved[True]) == 12
+    for name in saved[True]:
+        assert_trees_equal(saved[True][name].params, saved[False][name].params)
+        assert_trees_equal(saved[True][name].opt_state, saved[False][name].opt_state)
+
+
+def test_donate_state_must_be_a_bool():
+    with pytest.raises(TypeError, match="donate_state must be a bool"):
+        Trainer(donate_state="yes")
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+def test_interrupt_guard_defers_sigint_over_a_critical_section():
+    guard = InterruptGuard()
+    if not guard.install():
+        pytest.skip("SIGINT is not Python's default handler here")
+    try:
+        guard.enter()
+        signal.raise_signal(signal.SIGINT)  # held back
+        reached = True
+        with pytest.raises(KeyboardInterrupt):
+            guard.leave()
+        assert reached
+        with pytest.raises(KeyboardInterrupt):  # outside a section: at once
+            signal.raise_signal(signal.SIGINT)
+        guard.enter()
+        guard.leave()  # nothing pending: no raise
+    finally:
+        guard.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_interrupt_guard_leaves_other_threads_and_custom_handlers_alone():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(InterruptGuard().install()))
+    thread.start()
+    thread.join()
+    assert results == [False]
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        guard = InterruptGuard()
+        assert guard.install() is False
+        assert signal.getsignal(signal.SIGINT) is mine
+        guard.uninstall()
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
