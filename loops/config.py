@@ -57,15 +57,15 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _type_error(name: str, value: Any, accepted: str) -> TypeError:
-    return TypeError(
-        f"LoopConfig: `{name}` must be {accepted}; got {type(value).__name__} {value!r}."
-    )
+def _type_error(name: str, value: Any, accepted: str, owner: str = "LoopConfig") -> TypeError:
+    return TypeError(f"{owner}: `{name}` must be {accepted}; got {type(value).__name__} {value!r}.")
 
 
-def _value_error(name: str, value: Any, accepted: str, hint: str = "") -> ValueError:
+def _value_error(
+    name: str, value: Any, accepted: str, hint: str = "", owner: str = "LoopConfig"
+) -> ValueError:
     tail = f" {hint}" if hint else ""
-    return ValueError(f"LoopConfig: `{name}={value!r}` is not valid; expected {accepted}.{tail}")
+    return ValueError(f"{owner}: `{name}={value!r}` is not valid; expected {accepted}.{tail}")
 
 
 def _int(name: str, value: Any, minimum: int, accepted: str, allow_none: bool = False) -> Any:
@@ -102,12 +102,15 @@ def normalize_limit(value: Any, name: str) -> int | float:
     raise _value_error(name, value, accepted)
 
 
-def parse_duration(value: Any, name: str = "max_time") -> float | None:
+def parse_duration(
+    value: Any, name: str = "max_time", *, owner: str = "LoopConfig"
+) -> float | None:
     """A duration in seconds from ``"DD:HH:MM:SS"``, a dict of timedelta kwargs, a timedelta
     or a number of seconds (``None`` stays ``None``: no time limit).
 
     The string form is Lightning's Timer format: any number of days, then exactly two digits
-    each for hours, minutes and seconds (``"00:12:00:00"`` is twelve hours).
+    each for hours, minutes and seconds (``"00:12:00:00"`` is twelve hours). Errors name
+    ``owner`` and ``name`` (the Trainer's ``max_time``, the Timer's ``duration``).
     """
     accepted = (
         'None, a "DD:HH:MM:SS" string, a dict of timedelta arguments, a timedelta '
@@ -118,22 +121,23 @@ def parse_duration(value: Any, name: str = "max_time") -> float | None:
     if isinstance(value, str):
         match = _DURATION.fullmatch(value.strip())
         if match is None:
-            raise _value_error(name, value, accepted, 'For example "00:12:00:00" is 12 hours.')
+            hint = 'For example "00:12:00:00" is 12 hours.'
+            raise _value_error(name, value, accepted, hint, owner)
         days, hours, minutes, seconds = (int(g) for g in match.groups())
         return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
     if isinstance(value, Mapping):
         try:
             value = datetime.timedelta(**value)
         except TypeError as err:
-            raise _value_error(name, value, accepted, f"({err})") from None
+            raise _value_error(name, value, accepted, f"({err})", owner) from None
     if isinstance(value, datetime.timedelta):
         seconds = value.total_seconds()
     elif _is_real(value):
         seconds = float(value)
     else:
-        raise _type_error(name, value, accepted)
+        raise _type_error(name, value, accepted, owner)
     if not math.isfinite(seconds) or seconds < 0:
-        raise _value_error(name, value, accepted)
+        raise _value_error(name, value, accepted, "", owner)
     return seconds
 
 

@@ -8,60 +8,15 @@ training state.
 from __future__ import annotations
 
 import datetime
-import math
-import numbers
-import re
-from collections.abc import Mapping
 from typing import Any
 
+from ..config import parse_duration
 from ..events import NOTHING, Context, Requests, Stage
 from .base import Callback
 
-__all__ = ["Timer", "parse_duration"]
+__all__ = ["Timer", "parse_duration"]  # parse_duration: loops.config's, re-exported
 
 _STAGES = (Stage.TRAIN, Stage.SANITY_CHECK, Stage.VALIDATE, Stage.TEST, Stage.PREDICT)
-_DURATION = re.compile(r"^(\d+):(\d\d):(\d\d):(\d\d)$")
-
-
-def parse_duration(duration: Any) -> float | None:
-    """``duration`` in seconds: ``"DD:HH:MM:SS"``, a dict of ``timedelta`` arguments, a
-    ``timedelta`` or a number of seconds; ``None`` means no limit."""
-    if duration is None:
-        return None
-    if isinstance(duration, str):
-        match = _DURATION.match(duration.strip())
-        if match is None:
-            raise ValueError(
-                f"Timer(duration={duration!r}) is not a valid duration: expected a string "
-                "DD:HH:MM:SS (days, then two digits each for hours, minutes and seconds)"
-            )
-        days, hours, minutes, seconds = (int(g) for g in match.groups())
-        return datetime.timedelta(
-            days=days, hours=hours, minutes=minutes, seconds=seconds
-        ).total_seconds()
-    if isinstance(duration, Mapping):
-        try:
-            duration = datetime.timedelta(**duration)
-        except TypeError as err:
-            raise ValueError(
-                f"Timer(duration={dict(duration)!r}) is not a valid duration: the dict must "
-                f"hold datetime.timedelta arguments (days, hours, minutes, seconds, ...): {err}"
-            ) from None
-    if isinstance(duration, datetime.timedelta):
-        seconds = duration.total_seconds()
-    elif isinstance(duration, numbers.Real) and not isinstance(duration, bool):
-        seconds = float(duration)
-    else:
-        raise TypeError(
-            "Timer(duration=...) must be a 'DD:HH:MM:SS' string, a dict of timedelta arguments, "
-            f"a timedelta or a number of seconds, got {type(duration).__name__}"
-        )
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(
-            f"Timer(duration={duration!r}) must be a finite, non-negative duration "
-            "(use duration=None for no limit)"
-        )
-    return seconds
 
 
 def _hms(seconds: float) -> str:
@@ -91,7 +46,7 @@ class Timer(Callback):
     ) -> None:
         if interval not in ("step", "epoch"):
             raise ValueError(f"Timer(interval={interval!r}) must be 'step' or 'epoch'")
-        self.duration = parse_duration(duration)
+        self.duration = parse_duration(duration, "duration", owner="Timer")
         self.interval = interval
         self.verbose = verbose
         if name is not None:
