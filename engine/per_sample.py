@@ -176,6 +176,7 @@ class PerSampleStep(TrainStep):
         donate: bool = False,
         grad_norm: bool = True,
         chunk_size: int | None = None,
+        allow_unused: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -185,6 +186,7 @@ class PerSampleStep(TrainStep):
             donate=donate,
             grad="func",
             grad_norm=grad_norm,
+            allow_unused=allow_unused,
         )
         self.max_grad_norm = _check_real("max_grad_norm", max_grad_norm, positive=True)
         self.noise_multiplier = _check_real("noise_multiplier", noise_multiplier, positive=False)
@@ -228,6 +230,8 @@ class PerSampleStep(TrainStep):
         strategy, progress = self.strategy, state.progress
         key = rng.fold_in(state.rng, rng.Purpose.TRAIN, progress.step, 0, strategy.rank)
         params, buffers = state.params, state.buffers
+        if not self._probed:  # torch.func.grad gives unused parameters zeros silently
+            self._probe_unused(params, buffers, batch, key, 1.0, 1)
         frozen = {n: params[n] for n in self._frozen}
         wrt = self._trainable(params)
         binder, loss_fn, precision = self.binder, self.loss_fn, strategy.precision
@@ -306,6 +310,7 @@ def per_sample_step(
     donate: bool = False,
     grad_norm: bool = True,
     chunk_size: int | None = None,
+    allow_unused: bool = False,
 ) -> PerSampleStep:
     """Build a DP-SGD step ``step(state, batch) -> (new_state, StepOutput)``.
 
@@ -314,7 +319,10 @@ def per_sample_step(
     only). ``chunk_size``: examples per vmap chunk (bounds the memory of the per-example
     gradients; None does the whole batch at once; chunks round differently and draw their
     dropout masks separately, so results depend on it). ``grad_norm`` reports the norm of the
-    final (noised, averaged) gradient. See the module doc for the exact arithmetic.
+    final (noised, averaged) gradient. ``allow_unused``: parameters the loss does not use
+    get a zero per-example gradient (then only noise) instead of an error; the check costs
+    one ordinary forward and backward pass on the first call. See the module doc for the
+    exact arithmetic.
     """
     return PerSampleStep(
         model,
@@ -326,4 +334,5 @@ def per_sample_step(
         donate=donate,
         grad_norm=grad_norm,
         chunk_size=chunk_size,
+        allow_unused=allow_unused,
     )

@@ -195,3 +195,36 @@ def test_loss_scaling_precision_is_refused():
     strategy = hardware.single_device("cpu", precision="16-mixed")
     with pytest.raises(ValueError, match="scales the loss"):
         dp_step(mlp(), strategy=strategy)
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def test_unused_parameters_are_an_error_unless_allowed():
+    net = _WithUnused()
+    state = engine.init(net, optim.sgd(0.1), seed=0)
+    step = per_sample.per_sample_step(
+        net, loss_fn, optim.sgd(0.1), max_grad_norm=1.0, noise_multiplier=0.0
+    )
+    with pytest.raises(RuntimeError, match=r"unused\.weight.*received no gradient"):
+        step(state, _unused_batch())
+    with pytest.raises(RuntimeError, match="received no gradient"):
+        step.per_sample_grads(state, _unused_batch())
+    allowed = per_sample.per_sample_step(
+        net, loss_fn, optim.sgd(0.1), max_grad_norm=1.0, noise_multiplier=0.0, allow_unused=True
+    )
+    new, _ = allowed(state, _unused_batch())
+    assert torch.equal(new.params["unused.weight"], state.params["unused.weight"])
+    assert not torch.equal(new.params["used.weight"], state.params["used.weight"])
