@@ -33,6 +33,7 @@ __all__ = [
     "accumulate",
     "epoch_values",
     "log",
+    "plain_step_values",
     "resolve",
     "specs_of",
     "step_values",
@@ -241,6 +242,55 @@ def step_values(
         callback[name] = value
         if spec.forked:
             callback[key] = value
+    return logger, bar, callback
+
+
+_ROUTES: dict[tuple, tuple | None] = {}
+
+
+def _route(names: tuple[str, ...], stage: str) -> tuple | None:
+    """``(full name, spec)`` per name when every default spec is per step only, else None."""
+    route = []
+    for name in names:
+        full, spec = _spec(name, stage, None)
+        if spec.on_epoch:
+            return None
+        route.append((name, full, spec))
+    return tuple(route)
+
+
+def plain_step_values(
+    values: Mapping[str, Any], stage: str, known: Mapping[str, MetricSpec]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """``step_values(resolve(values, stage))`` in one pass for the usual training step output
+    — every value a plain scalar tensor with the default (per-step) options, under specs
+    already in ``known`` — where ``accumulate`` and the known specs would not change. It runs
+    every batch, so it skips the general path's intermediate dicts. None when that does not
+    hold: use ``resolve`` / ``step_values`` / ``accumulate``."""
+    names = tuple(values)
+    key = (names, stage)
+    route = _ROUTES.get(key, False)
+    if route is False:
+        route = _ROUTES[key] = _route(names, stage)
+    if route is None:
+        return None
+    logger: dict[str, torch.Tensor] = {}
+    bar: dict[str, torch.Tensor] = {}
+    callback: dict[str, torch.Tensor] = {}
+    for name, full, spec in route:
+        value = values[name]
+        if (
+            type(value) is not torch.Tensor
+            or value.dim() != 0
+            or value.requires_grad
+            or known.get(full) is not spec
+        ):
+            return None
+        if spec.logger:
+            logger[full] = value
+        if spec.prog_bar:
+            bar[full] = value
+        callback[full] = value
     return logger, bar, callback
 
 

@@ -177,12 +177,16 @@ class Driver:
         return found
 
     @property
-    def rank(self) -> int:
-        return getattr(self.strategy, "rank", 0)
+    def strategy(self) -> Any:
+        """The hardware strategy; setting it also sets ``rank`` and ``world_size`` (plain
+        attributes: the loops read them several times per batch)."""
+        return self._strategy
 
-    @property
-    def world_size(self) -> int:
-        return getattr(self.strategy, "world_size", 1)
+    @strategy.setter
+    def strategy(self, strategy: Any) -> None:
+        self._strategy = strategy
+        self.rank: int = getattr(strategy, "rank", 0)
+        self.world_size: int = getattr(strategy, "world_size", 1)
 
     @property
     def is_primary(self) -> bool:
@@ -232,8 +236,12 @@ class Driver:
 
         Events that no callback handles and no observer watches cost no context.
         """
-        handlers = self.handlers(event)
-        watchers = self.watchers(event)
+        handlers = self._handlers.get(event)  # the caches, read inline: this runs per batch
+        if handlers is None:
+            handlers = self.handlers(event)
+        watchers = self._watchers.get(event)
+        if watchers is None:
+            watchers = self.watchers(event)
         if not handlers and not watchers:
             return state
         ctx = self.context(state, **fields)

@@ -352,7 +352,9 @@ class FitLoop:
         """Process one training batch: events, step, logging, validation when due."""
         drv, c = self.driver, self.config
         num = self.num_train
-        self._fire("on_train_batch_start", batch=batch, batch_idx=batch_idx, num_batches=num)
+        self.state = drv.fire(
+            "on_train_batch_start", self.state, batch=batch, batch_idx=batch_idx, num_batches=num
+        )
         factor = schedule.accumulation_factor(c, epoch)
         close = schedule.is_optimizer_step(batch_idx, factor, num, is_last)
         state, grads = self.step.backward(self.state, batch, end_window=close)
@@ -369,21 +371,28 @@ class FitLoop:
         else:
             out = grads.output
 
-        resolved = aggregate.resolve({"loss": out.loss, **out.metrics}, Stage.TRAIN)
-        to_log, bar, to_callbacks = aggregate.step_values(resolved)
         loop = loop_state.get(state)
-        loop = loop.replace(
-            train_epoch=aggregate.accumulate(loop.train_epoch, resolved, grads.batch_size),
-            train_specs=_merged_specs(loop.train_specs, resolved),
-            callback_metrics={**loop.callback_metrics, **to_callbacks},
-        )
+        values = {"loss": out.loss, **out.metrics} if out.metrics else {"loss": out.loss}
+        plain = aggregate.plain_step_values(values, Stage.TRAIN, loop.train_specs)
+        if plain is not None:  # the usual batch: nothing to accumulate, no new names
+            to_log, bar, to_callbacks = plain
+            loop = loop.replace(callback_metrics={**loop.callback_metrics, **to_callbacks})
+        else:
+            resolved = aggregate.resolve(values, Stage.TRAIN)
+            to_log, bar, to_callbacks = aggregate.step_values(resolved)
+            loop = loop.replace(
+                train_epoch=aggregate.accumulate(loop.train_epoch, resolved, grads.batch_size),
+                train_specs=_merged_specs(loop.train_specs, resolved),
+                callback_metrics={**loop.callback_metrics, **to_callbacks},
+            )
         self.state = loop_state.put(state, loop)
         drv.progress_bar_metrics.update(bar)
         p = self.state.progress
         # Lightning's logger x-axis: batches that stepped, not yet counting this one.
         drv.logger_step = p.step - 1 if out.stepped else p.step
-        self._fire(
+        self.state = drv.fire(
             "on_train_batch_end",
+            self.state,
             batch=batch,
             batch_idx=batch_idx,
             outputs=out,

@@ -390,6 +390,9 @@ def checkpoint_on_train_epoch_end(config: LoopConfig, *, has_val_batches: bool) 
 def accumulation_factor(config: LoopConfig, epoch: int) -> int:
     """Batches per optimizer step in ``epoch``: the factor of the largest scheduled epoch
     ``<= epoch`` (``{0: 1}`` is implied before the first scheduled epoch)."""
+    constant = config.accumulate_grad_batches
+    if type(constant) is int:
+        return constant
     factor = 1
     for first_epoch, value in config.accumulation_schedule:
         if first_epoch > epoch:

@@ -573,7 +573,11 @@ class Trainer:
             task.training_step,
             opt,
             strategy=self.strategy,
-            accumulate=lambda p: schedule.accumulation_factor(config, p.epoch),
+            accumulate=(
+                config.accumulate_grad_batches
+                if isinstance(config.accumulate_grad_batches, int)
+                else lambda p: schedule.accumulation_factor(config, p.epoch)
+            ),
             grad_norm=False,  # nothing in the loops reads it; callbacks see the gradients
         )
         evaluate_step = (

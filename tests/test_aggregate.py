@@ -8,7 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import metrics as M
-from loops.aggregate import accumulate, epoch_values, log, resolve, specs_of, step_values
+from loops.aggregate import (
+    accumulate,
+    epoch_values,
+    log,
+    plain_step_values,
+    resolve,
+    specs_of,
+    step_values,
+)
 
 
 def test_names_and_stage_defaults():
@@ -136,3 +144,43 @@ def test_vector_values_are_logged_per_member_and_as_their_mean():
         "train_loss/2": 6.0,
     }
     assert set(bar) == {"train_loss"}  # the bar shows the mean only
+
+
+_VALUE_KINDS = {
+    "scalar": lambda: torch.tensor(1.5),
+    "number": lambda: 2.0,
+    "grad": lambda: torch.tensor(1.0, requires_grad=True),
+    "vector": lambda: torch.tensor([1.0, 2.0]),
+    "epoch": lambda: log(torch.tensor(3.0), on_epoch=True),
+    "bar": lambda: log(torch.tensor(4.0), prog_bar=True),
+    "metric": lambda: M.Mean.of(torch.tensor(5.0)),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kinds=st.dictionaries(
+        st.sampled_from(["loss", "acc", "train_x", "y"]), st.sampled_from(sorted(_VALUE_KINDS))
+    ),
+    stage=st.sampled_from(["train", "validate"]),
+    known_first=st.booleans(),
+)
+def test_the_plain_fast_path_agrees_with_the_general_one(kinds, stage, known_first):
+    """When ``plain_step_values`` answers, its answer is the general path's, and the general
+    path would change neither the epoch accumulators nor the known specs; it answers for
+    every all-plain-scalar training output whose specs are known."""
+    values = {name: _VALUE_KINDS[kind]() for name, kind in kinds.items()}
+    resolved = resolve(values, stage)
+    known = specs_of(resolved) if known_first else {}
+    fast = plain_step_values(values, stage, known)
+    everything_plain = all(kind == "scalar" for kind in kinds.values())
+    if stage == "train" and everything_plain and known_first:
+        assert fast is not None
+    if fast is None:
+        return
+    slow = step_values(resolved)
+    for got, want in zip(fast, slow):
+        assert got.keys() == want.keys()
+        assert all(got[k] is want[k] for k in got)
+    assert accumulate({}, resolved, 4) == {}
+    assert specs_of(resolved) == dict(known)
