@@ -26,17 +26,49 @@ Timing: ``_harness.interleaved`` (sides alternate in rounds, median per round). 
 per side is the time of one step of all 16 members; the last line is
 ``speedup=<sequential / ensemble>``. ``--scaling`` also times the ensemble step alone for
 K = 1, 4 and 16, which splits its cost into a fixed part and a per-member part.
+``--breakdown`` also times each side's gradient half alone (``TrainStep.backward``: forward,
+backward, gradient bookkeeping) next to its whole step, so the optimizer half (norms and
+update, ``TrainStep.apply``) is the difference, and prints the speedup a free optimizer half
+would give at most.
 
-What limits the speedup here (measured on the 2-core development VM): a plain step of this
-MLP costs about 0.45 ms, almost all of it per-op overhead. The ensemble step has a larger
-fixed cost (about 1.3 ms at K = 1: vmap's wrapping and batching rules, ``cross_entropy``
-decomposed in Python under vmap, the per-member norms), and its per-member cost (about
-0.1-0.2 ms) is memory-bound: at K = 16 every stacked tensor is 0.5 MB and the step's working
-set leaves the core's L2, so an elementwise Adam op that takes 30 us in isolation takes
-several times that inside the step. A hand-written batched forward/backward (``baddbmm``)
-plus the same stacked Adam is only about 1.5x faster than the vmapped step, so the 4x goal
-is out of reach for a generic ``vmap`` step at this size on this machine; larger K or wider
-models amortise the fixed part further.
+What limits the speedup (measured on the 2-core development VM, often with another process
+busy on the other core; figures move by 20-30% between runs, the last line between about 2.6
+and 3.6, and a quiet machine gives the lower figures, since the sequential side gains most):
+
+* The sequential side costs 0.5-0.75 ms per plain step, about half in each half; almost
+  all of it is per-op overhead (the member's kernels take about 0.1 ms).
+* The optimizer half is where the ensemble wins: one stacked Adam call instead of 16 costs
+  0.4-1.0 ms against 4.5-5.4 ms (5-14x). Stacked Adam is memory-bound (eight passes over
+  0.5 MB tensors, about 0.35 ms of kernels measured alone).
+* The gradient half is where it does not: 2.4-3.0 ms against 4.1-4.4 ms for 16 plain
+  forward and backward passes, only 1.5-1.7x. Its kernels take about 1.3 ms (five ``bmm``
+  about 0.5 ms; ``log_softmax`` forward and backward about 0.3 ms, since a [1024, 10]
+  log-softmax costs as much as sixteen [64, 10] ones; bias adds, ReLU, sums about 0.25 ms;
+  the row-major copy of the two weight gradients about 0.15 ms). The rest is per-op cost of
+  vmap: one ``F.linear`` becomes 11 physical ops (transposes, expands, views, ``bmm``, a
+  ``mul`` by 1 and a broadcast ``add``), ``cross_entropy``'s ``nll_loss`` is decomposed in
+  Python into about 20 ops, and the backward graph has 31 nodes where the same computation
+  written with ``baddbmm`` has 17. The vmapped forward takes 1.0-1.5 ms where those batched
+  kernels called directly take 0.55-0.75 ms.
+* So even a free optimizer half would give at most 3.3-3.5x (``--breakdown``; also measured
+  by replacing the update with nothing): the goal of 4x is out of reach for a generic
+  ``vmap`` step of this model on this machine. ``--scaling`` gives about 1.5-2.4 ms fixed
+  plus 0.13-0.2 ms per member; a larger K amortises the fixed part, but the per-member
+  part is memory-bound and grows with it (K = 32 and 64, timed twice each with this
+  benchmark's sides, gave 3.0-4.3, within the noise of K = 16).
+
+Tried and measured with paired, interleaved A/B runs: calling functorch's C entry points
+directly instead of ``torch.func.vmap`` (skipping its pytree handling of the flat inputs and
+outputs) changed nothing measurable (0.99-1.01), so the public API stays; skipping the
+per-member norms saves about 1%, but both sides report them by default (``grad_norm=True``)
+and the sequential side pays for them too; leaving the weight gradients transposed instead
+of copying them makes the step slower (every Adam op then reads them strided); running the
+optimizer on member chunks small enough for the core's L2 is slower (each optimizer call
+costs 0.1-0.15 ms of Python); the 25-100 page faults per step (glibc hands the 0.5 MB
+temporaries back to the OS) disappear with a larger ``M_TRIM_THRESHOLD`` but the speedup
+moves only within the noise, and a library should not set process-wide allocator options.
+Kept: the step skips the search for injected hyper-parameters when its optimizer has none
+(about 25 us a step, 1-3% in paired runs).
 """
 
 from __future__ import annotations
@@ -114,6 +146,37 @@ class Ensemble:
         self.state, _ = self.step_fn(self.state, batch)
 
 
+def breakdown(seq: Sequential, ens: Ensemble, rounds: int, steps: int) -> None:
+    """Each side's full step and its gradient half alone (``TrainStep.backward``: forward and
+    backward), timed together; the optimizer half (norms, update) is the difference."""
+    batch = seq.batches[0]
+
+    def seq_grads() -> None:
+        for s in seq.states:
+            seq.step_fn.backward(s, batch)
+
+    def ens_grads() -> None:
+        ens.step_fn.backward(ens.state, batch)
+
+    timed = {"seq": seq.step, "seq_grads": seq_grads, "ens": ens.step, "ens_grads": ens_grads}
+    med = {
+        n: statistics.median(v) * 1e3 for n, v in _harness.interleaved(timed, rounds, steps).items()
+    }
+    halves = {
+        "gradient half (forward, backward)": (med["seq_grads"], med["ens_grads"]),
+        "optimizer half (norms, update)": (
+            med["seq"] - med["seq_grads"],
+            med["ens"] - med["ens_grads"],
+        ),
+        "whole step": (med["seq"], med["ens"]),
+    }
+    print("  breakdown (median ms, sequential vs ensemble):")
+    for name, (a, b) in halves.items():
+        print(f"    {name:34s} {a:8.3f} {b:8.3f}  speedup {a / b:5.2f}")
+    bound = med["seq"] / med["ens_grads"]
+    print(f"    with a free optimizer half the speedup would be at most {bound:.2f}")
+
+
 def scaling(net: nn.Module, batches: list, rounds: int, steps: int) -> None:
     """The ensemble step's time for a few K: a fixed cost plus a cost per member."""
     sides = {}
@@ -136,6 +199,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps only (smoke run)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     parser.add_argument("--scaling", action="store_true", help="also time K = 1, 4, 16")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time the gradient half of each side"
+    )
     args = parser.parse_args()
     warmup, rounds, steps = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -192,12 +258,15 @@ def main() -> None:
             f"({med / K * 1e3:7.1f} us per member-step; min {min(v):.3f} max {max(v):.3f})  "
             f"speedup {seq_ms / med:5.2f}  paired-median {paired:5.2f}"
         )
+    ens_ms = statistics.median(ms["ensemble"])
+    if args.breakdown:
+        breakdown(sides["sequential"], sides["ensemble"], rounds, steps)
     if args.scaling:
         scaling(net, batches, rounds, steps)
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.quick:
         print("--quick: a smoke run; its figures are too short to mean anything")
-    speedup = seq_ms / statistics.median(ms["ensemble"])
+    speedup = seq_ms / ens_ms
     print(f"speedup={speedup:.3f}")
 
 

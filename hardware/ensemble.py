@@ -343,6 +343,11 @@ class EnsembleTrainStep(TrainStep):
         super().__init__(model, loss_fn, optimizer, strategy=ensemble, **kwargs)
         self.ensemble = ensemble
         self._optimizer_checked = not ensemble.check_optimizer
+        # Whether the optimizer keeps injected hyper-parameters in its state (learnt from
+        # the first state; one optimizer always builds states of one structure). Without
+        # them the grouped step has nothing to group and the walk that looks for them is
+        # skipped (about 25 us a step).
+        self._injected: bool | None = None
 
     def __repr__(self) -> str:
         return f"EnsembleTrainStep(model={type(self.model).__name__}, strategy={self.ensemble!r})"
@@ -369,11 +374,12 @@ class EnsembleTrainStep(TrainStep):
         max_norm = self.ensemble.clip_grad_norm
         if max_norm is not None:
             grads = member_optim.clip(grads, member_optim.combine_norms(norms), max_norm)
+        if self._injected is None:
+            self._injected = bool(member_optim.hyperparameters(state.opt_state))
+        run = member_optim.step if self._injected else optim.step
         # The gradients are this step's own temporaries: the optimizer may reuse them.
         with optim.donating() if self.donate else optim.owning_updates():
-            new_trainable, opt_state = member_optim.step(
-                self.optimizer, grads, state.opt_state, trainable
-            )
+            new_trainable, opt_state = run(self.optimizer, grads, state.opt_state, trainable)
         return self._merged(params, new_trainable), opt_state
 
     # gradients

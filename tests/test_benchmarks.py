@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 EXPECTED = {
-    "fit_overhead.py": {"ratio", "step_ratio", "loop_ratio"},
+    "fit_overhead.py": {"ratio", "step_ratio", "loop_ratio", "immutable_ratio"},
     "resume_cost.py": {"ratio", "data_ratio"},
     "checkpoint_io.py": {"save_ratio", "load_ratio"},
 }

@@ -4,12 +4,16 @@ Tolerances: without BatchNorm every member's parameters, optimizer state and out
 **bitwise** equal to a separate ``engine.train_step`` run from that member's initial state
 (CPU, one thread; both gradient paths). With BatchNorm the batched kernels round
 differently, so members agree to ``rtol=1e-5, atol=1e-6`` (SGD, so rounding is not
-amplified). Run time: about 3 s.
+amplified). Run time: about 3 s, plus about 10 s for the ensemble benchmark's quick run.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -301,6 +305,57 @@ def test_lr_sweep_matches_separate_runs_bitwise():
         tree.assert_trees_equal(m.params, solo_state.params)
         tree.assert_trees_equal(m.opt_state.inner_state, solo_state.opt_state)
         assert float(m.opt_state.hyperparams["lr"]) == lr
+
+
+def test_the_search_for_injected_hyperparameters_runs_once_per_step(monkeypatch):
+    """A step whose optimizer keeps no injected hyper-parameters skips the grouped path after
+    its first call (nothing to group); one that keeps them still groups its members."""
+    calls = []
+    search = member_optim.hyperparameters
+
+    def counting(opt_state):
+        calls.append(1)
+        return search(opt_state)
+
+    monkeypatch.setattr(member_optim, "hyperparameters", counting)
+    net, data = mlp(), batches(3)
+    ens = hardware.ensemble(K)
+    start = engine.init(net, optim.adam(1e-2), seed=0, strategy=ens)
+    train(engine.train_step(net, loss_fn, optim.adam(1e-2), strategy=ens), start, data)
+    assert len(calls) == 1  # the first step only
+
+    lrs = [1e-3, 3e-2, 1e-2]
+    opt = optim.inject_hyperparams(optim.adam)(lr=1e-3)
+    sweep = hardware.ensemble(K, hparams={"lr": lrs})
+    state, _ = train(
+        engine.train_step(net, loss_fn, opt, strategy=sweep),
+        engine.init(net, opt, seed=0, strategy=sweep),
+        data,
+    )
+    assert len(calls) > 1 + len(data)  # every step searches (and groups)
+    for i, lr in enumerate(lrs):
+        assert float(hardware.member(state, i).opt_state.hyperparams["lr"]) == lr
+
+
+def test_benchmark_quick_run_with_breakdown():
+    """``benchmarks/ensemble.py --quick --breakdown`` runs (its parity check included) and
+    ends with its ``speedup=`` line; the figures of a quick run mean nothing."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "ensemble.py"), "--quick", "--breakdown"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.strip().splitlines()
+    assert "agrees with its sequential run bitwise" in done.stdout
+    assert any("gradient half" in line for line in lines)
+    key, _, value = lines[-1].partition("=")
+    assert key == "speedup" and math.isfinite(float(value)) and float(value) > 0
 
 
 def test_tuple_hyperparameter_and_schedules():
