@@ -23,15 +23,24 @@ otherwise:
   batch size, per-sample ``__getitem__`` and ``default_collate`` as the raw loader), so both
   sides load data the same way; only the order of the samples differs.
 
-A third, diagnostic side, step_loop, splits the difference in two: the raw side's
-DataLoader loop calling the very step the Trainer builds (``engine.train_step`` with the
-Trainer's strategy, ``hardware.single_device("cpu")`` here, and its defaults, which compute
-the gradient norm). ``step_loop - raw`` is what the engine step costs over torch's;
-``fit - step_loop`` is what the Trainer's loop adds (events, metric aggregation, loop state,
-commit points, its data path, its start-up). Every side builds what it needs inside the
-timed call (model copy and optimizer, or Trainer and state), as a user's script would; a
-side's figure is the epoch's time divided by its 256 batches. Each fit is checked to have
-taken exactly 256 optimizer steps.
+The Trainer runs with its default ``donate_state=True``: from its second optimizer step on,
+the update writes parameters and Adam's state in place, as the raw loop's ``torch.optim``
+does (results bitwise those of ``donate_state=False``; see the README).
+
+Two diagnostic sides split the difference:
+
+* step_loop: the raw side's DataLoader loop calling the very step the Trainer builds
+  (``engine.train_step`` with the Trainer's strategy, ``hardware.single_device("cpu")``
+  here, ``grad_norm=False`` as the Trainer builds it, and ``step.donating(backward=False)``
+  from the second batch on, as the Trainer runs it). ``step_loop - raw`` is what the engine
+  step costs over torch's; ``fit - step_loop`` is what the Trainer's loop adds (events,
+  metric aggregation, loop state, commit points, its data path, its start-up).
+* fit_immutable: ``Trainer(donate_state=False)``, every state a new one: what immutability
+  costs on this model (new tensors for the parameters and Adam's state at every step).
+
+Every side builds what it needs inside the timed call (model copy and optimizer, or Trainer
+and state), as a user's script would; a side's figure is the epoch's time divided by its 256
+batches. Each fit is checked to have taken exactly 256 optimizer steps.
 
 For information only, the Trainer with its defaults (progress bar, TensorBoard logger,
 checkpointing, model summary; ``max_epochs=1``, in a temporary folder, the bar's output
@@ -44,7 +53,8 @@ median (min..max) over rounds per side. The ratios of the last line are paired m
 median over rounds of the per-round ratio of the two sides' epochs: a background job that
 slows a whole round cancels out of it, while the ratio of two medians (printed too) can
 swing by 0.1-0.2 on this shared machine. The last line is ``ratio=<fit / raw>
-step_ratio=<step_loop / raw> loop_ratio=<fit / step_loop>``.
+step_ratio=<step_loop / raw> loop_ratio=<fit / step_loop> immutable_ratio=<fit_immutable /
+raw>``.
 """
 
 from __future__ import annotations
@@ -134,9 +144,12 @@ class Workload:
 
     def step_loop(self) -> int:
         state = engine.init(self.template, optim.adam(LR), seed=0, strategy=self.strategy)
-        step = engine.train_step(self.template, loss_fn, optim.adam(LR), strategy=self.strategy)
-        for batch in self.loader():
-            state, _ = step(state, batch)
+        step = engine.train_step(
+            self.template, loss_fn, optim.adam(LR), strategy=self.strategy, grad_norm=False
+        )
+        in_place = step.donating(backward=False)
+        for i, batch in enumerate(self.loader()):
+            state, _ = (in_place if i else step)(state, batch)
         return state.progress.step
 
     def fit(self, **flags: Any) -> int:
@@ -178,7 +191,7 @@ def report(samples: dict[str, list[float]], batches: int, base: str = "raw") -> 
     for name, v in us.items():
         ratios[name] = paired(v, us[base])
         print(
-            f"  {name:12s} {_harness.summary(v)} us/step  ratio {statistics.median(v) / ref:.3f}  "
+            f"  {name:13s} {_harness.summary(v)} us/step  ratio {statistics.median(v) / ref:.3f}  "
             f"paired-median ratio {ratios[name]:.3f}"
         )
     spread = ref / min(us[base])
@@ -226,6 +239,10 @@ def main() -> None:
         "raw": (nothing, checked(work.raw, n, "raw")),
         "step_loop": (nothing, checked(work.step_loop, n, "step_loop")),
         "fit": (nothing, checked(work.fit, n, "fit")),
+        "fit_immutable": (
+            nothing,
+            checked(lambda: work.fit(donate_state=False), n, "fit_immutable"),
+        ),
     }
     for _, run in sides.values():  # warm-up: one epoch each
         run(None)
@@ -270,7 +287,7 @@ def main() -> None:
         print("--quick: a smoke run; its figures are too short to mean anything")
     print(
         f"ratio={ratios['fit']:.3f} step_ratio={ratios['step_loop']:.3f} "
-        f"loop_ratio={loop_ratio:.3f}"
+        f"loop_ratio={loop_ratio:.3f} immutable_ratio={ratios['fit_immutable']:.3f}"
     )
 
 
