@@ -69,7 +69,8 @@ class FitLoop:
     Results are bitwise the same. The price: a state a callback was shown is overwritten by
     the next update (copy what you keep), and the exception handlers see the latest state
     instead of the last commit point (see ``Driver.handle_exception``). Ctrl-C is held back
-    during an in-place update, so it always returns a whole state.
+    during an in-place update, so it always returns a whole state; after a failure inside
+    one, ``state`` is None (the loop has no whole state to offer).
     """
 
     def __init__(
@@ -221,11 +222,14 @@ class FitLoop:
             self._guard.uninstall()
             drv.handle_exception(self.state, exc)
             if drv.torn:  # a half-written state is never returned (see _apply)
+                self.state = None
                 raise
             return self.state
         except BaseException as exc:
             self._guard.uninstall()
             drv.handle_exception(self.state, exc)
+            if drv.torn:
+                self.state = None
             raise
         finally:
             self._guard.uninstall()

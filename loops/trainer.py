@@ -615,7 +615,10 @@ class Trainer:
         finally:
             self.checkpointing.wait()
             self.status = driver.status
-            self.train_state = loop.state if loop.state is not None else state
+            if driver.torn:  # failed inside an in-place update: no whole state to offer
+                self.train_state = None
+            else:
+                self.train_state = loop.state if loop.state is not None else state
         if self.status == TrainerStatus.FINISHED:
             task.teardown("fit")
             if datamodule is not None:

@@ -174,6 +174,8 @@ def test_a_failure_inside_a_donated_update_saves_nothing_and_says_why(tmp_path):
         with pytest.raises(RuntimeError, match="optimizer exploded"):
             t.fit(net(), loss_fn, hook_after(optim.adam(1e-2), fail), loader())
         files[donate] = sorted(os.listdir(root)) if root.exists() else []
+        # a half-written state is not offered as the trainer's state
+        assert (t.train_state is None) == donate and (t.global_step == 0) == donate
     assert files[False], "without donation the last commit is saved on the exception"
     assert files[True] == []
     assert any("not saving the checkpoint" in line for line in said)
