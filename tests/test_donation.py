@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine
+import hardware
 from engine import optim, tree
 from engine.tree import assert_trees_equal
 from loops import Trainer, fit
@@ -83,15 +84,29 @@ def clone(state):
         (dict(norm=True, dropout=0.3), {}),
         (dict(), {"accumulate_grad_batches": 2}),
         (dict(norm=True), {"gradient_clip_val": 0.5, "accumulate_grad_batches": {0: 1, 1: 3}}),
+        (dict(dropout=0.2), {"strategy": "ensemble"}),
+        (dict(), {"strategy": "ensemble-lr-sweep"}),
     ],
-    ids=["batchnorm-dropout", "accumulation", "clipping-accumulation-schedule"],
+    ids=[
+        "batchnorm-dropout",
+        "accumulation",
+        "clipping-accumulation-schedule",
+        "ensemble",
+        "ensemble-lr-sweep",
+    ],
 )
 def test_donated_fit_is_bitwise_the_immutable_one(model, flags):
+    opt = optim.adam(1e-2)
+    if flags.get("strategy") == "ensemble":
+        flags = {**flags, "strategy": hardware.ensemble(3)}
+    elif flags.get("strategy") == "ensemble-lr-sweep":
+        flags = {**flags, "strategy": hardware.ensemble(3, hparams={"lr": [1e-3, 1e-2, 3e-2]})}
+        opt = optim.inject_hyperparams(optim.adam)(lr=1e-3)
     runs = {}
     for donate in (False, True):
         logger = MemoryLogger()
         t = trainer(donate_state=donate, logger=logger, **flags)
-        state = t.fit(net(**model), loss_fn, optim.adam(1e-2), loader(), loader(8))
+        state = t.fit(net(**model), loss_fn, opt, loader(), loader(8))
         runs[donate] = (state, logger.metrics)
     assert_trees_equal(runs[True][0], runs[False][0])
     assert [(s, sorted(m)) for s, m in runs[True][1]] == [(s, sorted(m)) for s, m in runs[False][1]]
