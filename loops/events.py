@@ -139,7 +139,10 @@ class Context:
 
     ``stage``: a ``Stage`` value (``None`` outside a running stage, e.g. at setup);
     ``fn``: the entry point (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``);
-    ``state``: the training state at this point; ``progress``: its ``Progress``;
+    ``state``: the training state at this point (under a fit that updates in place, the
+    Trainer's default ``donate_state``, its tensors are overwritten by the next optimizer
+    step: copy what you keep, e.g. ``engine.tree.map(torch.clone, ctx.state.params)``);
+    ``progress``: its ``Progress``;
     ``metrics``: the latest logged values (Lightning's ``callback_metrics``), floats;
     ``batch``, ``batch_idx``, ``dataloader_idx``, ``outputs``: at batch events;
     ``num_batches``: batches this epoch/evaluation will run (per dataloader for evaluation);
