@@ -343,6 +343,11 @@ class Driver:
         if self.world_size > 1 and state.progress.micro_step != 0:
             return
         self.last_commit = state
+        if not self.pending and self.world_size == 1:  # the usual batch: nothing queued
+            if hooks:
+                for hook in self.commit_hooks:
+                    hook(state, self)
+            return
         pending, self.pending = self.pending, []
         if self.world_size > 1:
             # every process does rank 0's file work, so their barriers and states match

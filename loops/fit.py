@@ -33,6 +33,8 @@ from .interrupts import InterruptGuard
 
 __all__ = ["FitLoop", "fit"]
 
+_BATCH_EVENTS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
 
 def _numbered(batches: Iterator[Any], start: int, num: int | float) -> Iterator[Any]:
     """``(batch_idx, batch, is_last)`` from ``start``; an unsized epoch (``num = inf``)
@@ -108,6 +110,9 @@ class FitLoop:
         # ``step.donating(backward=False)`` when donating (see _apply).
         self._updater = step
         self._guard = InterruptGuard()
+        # Whether anything listens to the three per-batch events (set by run: callbacks and
+        # observers are fixed for a run); the batch skips the calls nobody hears.
+        self._heard = (True, True, True)
         self.state: TrainState | None = None
         self.num_train: int | float | None = None
         self.val_max: list[int | float] = []
@@ -206,6 +211,7 @@ class FitLoop:
         drv.status = "running"
         drv.logger_step = self.state.progress.step
         drv.last_commit = self.state
+        self._heard = tuple(bool(drv.handlers(e) or drv.watchers(e)) for e in _BATCH_EVENTS)
         if self.donate:
             self._guard.install()
         epoch = self.state.progress.epoch
@@ -356,21 +362,28 @@ class FitLoop:
         """Process one training batch: events, step, logging, validation when due."""
         drv, c = self.driver, self.config
         num = self.num_train
-        self.state = drv.fire(
-            "on_train_batch_start", self.state, batch=batch, batch_idx=batch_idx, num_batches=num
-        )
+        heard_start, heard_before, heard_end = self._heard
+        if heard_start:
+            self.state = drv.fire(
+                "on_train_batch_start",
+                self.state,
+                batch=batch,
+                batch_idx=batch_idx,
+                num_batches=num,
+            )
         factor = schedule.accumulation_factor(c, epoch)
         close = schedule.is_optimizer_step(batch_idx, factor, num, is_last)
         state, grads = self.step.backward(self.state, batch, end_window=close)
         if grads.ready:
-            state = drv.fire(
-                "on_before_optimizer_step",
-                state,
-                batch=batch,
-                batch_idx=batch_idx,
-                outputs=grads,
-                num_batches=num,
-            )
+            if heard_before:
+                state = drv.fire(
+                    "on_before_optimizer_step",
+                    state,
+                    batch=batch,
+                    batch_idx=batch_idx,
+                    outputs=grads,
+                    num_batches=num,
+                )
             state, out = self._apply(state, grads)
         else:
             out = grads.output
@@ -394,15 +407,16 @@ class FitLoop:
         p = self.state.progress
         # Lightning's logger x-axis: batches that stepped, not yet counting this one.
         drv.logger_step = p.step - 1 if out.stepped else p.step
-        self.state = drv.fire(
-            "on_train_batch_end",
-            self.state,
-            batch=batch,
-            batch_idx=batch_idx,
-            outputs=out,
-            num_batches=num,
-            is_last_batch=is_last,
-        )
+        if heard_end:
+            self.state = drv.fire(
+                "on_train_batch_end",
+                self.state,
+                batch=batch,
+                batch_idx=batch_idx,
+                outputs=out,
+                num_batches=num,
+                is_last_batch=is_last,
+            )
         self._agree_on_stop()
         should_stop = loop_state.get(self.state).should_stop
         if to_log and schedule.should_log_step(
