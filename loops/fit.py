@@ -123,6 +123,7 @@ class FitLoop:
         )
         self._told_min = False
         self._warned_few = False
+        self._factor = 1  # this epoch's accumulation factor (set by _epoch)
         if not self.enable_val:
             driver.extra["num_val_batches"] = 0
         if self.train is not None:
@@ -331,6 +332,7 @@ class FitLoop:
         else:
             self._check_accumulation(epoch)
         num = self.num_train
+        self._factor = schedule.accumulation_factor(c, epoch)  # one per epoch
         batches = _numbered(self.train.iterate(epoch, start), start, num)
         batch_idx, is_last = start - 1, False
         while True:
@@ -371,8 +373,7 @@ class FitLoop:
                 batch_idx=batch_idx,
                 num_batches=num,
             )
-        factor = schedule.accumulation_factor(c, epoch)
-        close = schedule.is_optimizer_step(batch_idx, factor, num, is_last)
+        close = schedule.is_optimizer_step(batch_idx, self._factor, num, is_last)
         state, grads = self.step.backward(self.state, batch, end_window=close)
         if grads.ready:
             if heard_before:
@@ -417,7 +418,8 @@ class FitLoop:
                 num_batches=num,
                 is_last_batch=is_last,
             )
-        self._agree_on_stop()
+        if drv.world_size > 1:
+            self._agree_on_stop()
         should_stop = loop_state.get(self.state).should_stop
         if to_log and schedule.should_log_step(
             c, drv.logger_step, should_stop, accumulating=not out.stepped
