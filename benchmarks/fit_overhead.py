@@ -23,16 +23,16 @@ otherwise:
   batch size, per-sample ``__getitem__`` and ``default_collate`` as the raw loader), so both
   sides load data the same way; only the order of the samples differs.
 
-The Trainer runs with its default ``donate_state=True``: from its second optimizer step on,
-the update writes parameters and Adam's state in place, as the raw loop's ``torch.optim``
-does (results bitwise those of ``donate_state=False``; see the README).
+The Trainer runs with its default ``donate_state=True``: the updates write parameters and
+Adam's state in place, as the raw loop's ``torch.optim`` does (results bitwise those of
+``donate_state=False``; see the README).
 
 Two diagnostic sides split the difference:
 
 * step_loop: the raw side's DataLoader loop calling the very step the Trainer builds
   (``engine.train_step`` with the Trainer's strategy, ``hardware.single_device("cpu")``
-  here, ``grad_norm=False`` as the Trainer builds it, and ``step.donating(backward=False)``
-  from the second batch on, as the Trainer runs it). ``step_loop - raw`` is what the engine
+  here, ``grad_norm=False`` as the Trainer builds it, run as ``step.donating(backward=False)``
+  on a state it built, as the Trainer runs it). ``step_loop - raw`` is what the engine
   step costs over torch's; ``fit - step_loop`` is what the Trainer's loop adds (events,
   metric aggregation, loop state, commit points, its data path, its start-up).
 * fit_immutable: ``Trainer(donate_state=False)``, every state a new one: what immutability
@@ -148,8 +148,8 @@ class Workload:
             self.template, loss_fn, optim.adam(LR), strategy=self.strategy, grad_norm=False
         )
         in_place = step.donating(backward=False)
-        for i, batch in enumerate(self.loader()):
-            state, _ = (in_place if i else step)(state, batch)
+        for batch in self.loader():
+            state, _ = in_place(state, batch)
         return state.progress.step
 
     def fit(self, **flags: Any) -> int:

@@ -141,6 +141,30 @@ def detached(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _unaliased(metrics: dict[str, Any], state: TrainState) -> dict[str, Any]:
+    """``metrics`` with a copy of every tensor that shares storage with the state's parameters
+    or optimizer state (a metric that is a parameter's value, say a learnable temperature):
+    a donating update is about to overwrite those, and the step reports the values the
+    forward pass saw. Unchanged (the same dict) when nothing is shared, the usual case."""
+    tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
+    if not tensors:
+        return metrics
+    owned = {
+        t.untyped_storage().data_ptr()
+        for t in leaves((state.params, state.opt_state))
+        if isinstance(t, Tensor)
+    }
+    if not any(t.untyped_storage().data_ptr() in owned for t in tensors):
+        return metrics
+
+    def copy_if_shared(x: Any) -> Any:
+        if isinstance(x, Tensor) and x.untyped_storage().data_ptr() in owned:
+            return x.clone()
+        return x
+
+    return map(copy_if_shared, metrics)
+
+
 def batch_size(batch: Any) -> int:
     """The size of the batch's first dimension (its first tensor's), or 1 if it has none."""
     if isinstance(batch, torch.Tensor):
@@ -535,7 +559,10 @@ class TrainStep:
             raise ValueError("these gradients are not ready: the accumulation window is open")
         values = grads.grads
         norms = self._tensor_norms(values)
+        output = grads.output
         if grads.finite:
+            if self.donate and output.metrics:
+                output = output.replace(metrics=_unaliased(output.metrics, state))
             new_params, opt_state = self._update(state, values, norms)
         else:
             new_params, opt_state = state.params, state.opt_state
@@ -546,7 +573,7 @@ class TrainStep:
             grad_accum=None,
         )
         reported = norms if self.compute_grad_norm else None
-        return new_state, grads.output.replace(grad_norms=reported)
+        return new_state, output.replace(grad_norms=reported)
 
     # ------------------------------------------------------------------ pieces subclasses change
 

@@ -136,6 +136,9 @@ class Driver:
         # Set by a loop while a donated update writes its state in place: a failure then
         # leaves a torn state, which is never saved (see handle_exception).
         self.torn = False
+        # Set by a loop whose in-place update consumed the last commit point; cleared by the
+        # next commit. Until then the latest state is past any commit point.
+        self.past_commit = False
         # Called with (state, driver) at every commit point, before queued saves: the
         # Trainer checks for preemption here; a hook may raise to end the run.
         self.commit_hooks: list[Callable[[TrainState, Driver], None]] = []
@@ -343,6 +346,7 @@ class Driver:
         if self.world_size > 1 and state.progress.micro_step != 0:
             return
         self.last_commit = state
+        self.past_commit = False
         if not self.pending and self.world_size == 1:  # the usual batch: nothing queued
             if hooks:
                 for hook in self.commit_hooks:
@@ -419,7 +423,9 @@ class Driver:
         exactly — and the files they ask for are written with it (work queued by the batch
         that failed is dropped: it described a state that was never committed). A loop that
         donates its state to the step consumes the last commit with each update (its
-        ``last_commit`` is None then): the handlers see ``state``, the latest whole state.
+        ``last_commit`` is None and ``past_commit`` True then): the handlers see ``state``,
+        the latest whole state, and a checkpoint saved from it (said so) continues after the
+        interrupted batch rather than redoing it.
         If the failure struck inside such an update (``torn``), ``state`` is half-written:
         the handlers still run, but nothing is saved from it. After a failure other than
         Ctrl-C the stage is reset to None; after Ctrl-C it stays, as in Lightning. The
@@ -443,6 +449,14 @@ class Driver:
                     "of the state during each step)"
                 )
             elif self.pending:
+                if self.past_commit:
+                    self.say(
+                        "the checkpoint(s) requested on this exception hold the latest state: "
+                        "past the last commit point (the optimizer step of the interrupted "
+                        "batch is in it, that batch's logging and validation are not), so a "
+                        "run resumed from one continues with the next batch; "
+                        "Trainer(donate_state=False) saves the last commit point instead"
+                    )
                 self.commit(state, hooks=False)
         finally:
             self.pending = []

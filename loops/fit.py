@@ -21,7 +21,10 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
 from engine.state import TrainState
+from engine.tree import map as tree_map
 
 from . import aggregate, loop_state, schedule
 from .callbacks.base import init_states
@@ -64,15 +67,17 @@ class FitLoop:
     ``engine.eval_step``; without it there is no validation. ``hparams`` are sent to the
     loggers after ``on_fit_start``.
 
-    ``donate=True``: once the loop owns its state (after its first optimizer update, which
-    makes new tensors: the caller's state is never written), each update writes the
-    parameters and optimizer state in place (``step.donating(backward=False)``), like a
-    hand-written loop — one copy of the state instead of two during a step, and faster.
-    Results are bitwise the same. The price: a state a callback was shown is overwritten by
-    the next update (copy what you keep), and the exception handlers see the latest state
-    instead of the last commit point (see ``Driver.handle_exception``). Ctrl-C is held back
-    during an in-place update, so it always returns a whole state; after a failure inside
-    one, ``state`` is None (the loop has no whole state to offer).
+    ``donate=True``: the optimizer updates write the parameters and optimizer state in place
+    (``step.donating(backward=False)``), like a hand-written loop — one copy of the state
+    instead of two during a step, and faster; results are bitwise the same. The caller's
+    state is never written: ``run(state)`` first copies its parameters and optimizer state
+    (``run(state, owned=True)`` skips the copy for a state made for this run, as the Trainer
+    does). The price: a state a callback was shown is overwritten by the next update (copy
+    what you keep), and the exception handlers see the latest state instead of the last
+    commit point (see ``Driver.handle_exception``). Ctrl-C is held back during an in-place
+    update, so it always returns a whole state; after a failure inside one, ``state`` is
+    None (the loop has no whole state to offer). An asynchronous checkpointer given to the
+    driver must copy what it writes (``AsyncCheckpointer(copy="always")``).
     """
 
     def __init__(
@@ -96,6 +101,11 @@ class FitLoop:
             )
         if train is None and reload_train is None:
             raise ValueError("FitLoop needs training data: pass train or reload_train")
+        if donate and not hasattr(step, "donating"):
+            raise TypeError(
+                f"FitLoop(donate=True) needs a step with donating() (engine.train_step builds "
+                f"one); {type(step).__name__} has none: pass donate=False"
+            )
         self.step = step
         self.train = train
         self.val = list(val) if val is not None else None
@@ -106,9 +116,8 @@ class FitLoop:
         self.reload_val = reload_val
         self.hparams = hparams
         self.donate = donate
-        # The step that runs the updates: ``step`` until the loop owns its state, then
-        # ``step.donating(backward=False)`` when donating (see _apply).
-        self._updater = step
+        # The step the batches run (set by run): ``step``, or ``step.donating(backward=False)``.
+        self._stepper = step
         self._guard = InterruptGuard()
         # Whether anything listens to the three per-batch events (set by run: callbacks and
         # observers are fixed for a run); the batch skips the calls nobody hears.
@@ -204,17 +213,23 @@ class FitLoop:
 
     # ------------------------------------------------------------------ the run
 
-    def run(self, state: TrainState) -> TrainState:
-        """Run fit from ``state``; the final state (the latest one after Ctrl-C)."""
+    def run(self, state: TrainState, *, owned: bool = False) -> TrainState:
+        """Run fit from ``state``; the final state (the latest one after Ctrl-C).
+
+        ``owned``: with ``donate``, ``state`` was made for this run and may be written in
+        place (otherwise its parameters and optimizer state are copied first).
+        """
         drv = self.driver
         drv.set_default_extra(model=getattr(self.step, "model", None), num_loggers=len(drv.loggers))
+        if self.donate and not owned:
+            state = state.replace(params=_copied(state.params), opt_state=_copied(state.opt_state))
+        self._stepper = self.step.donating(backward=False) if self.donate else self.step
         self.state = init_states(drv.callbacks, state)
         drv.status = "running"
+        drv.torn = drv.past_commit = False
         drv.logger_step = self.state.progress.step
         drv.last_commit = self.state
         self._heard = tuple(bool(drv.handlers(e) or drv.watchers(e)) for e in _BATCH_EVENTS)
-        if self.donate:
-            self._guard.install()
         epoch = self.state.progress.epoch
         if (
             self.val is not None
@@ -223,6 +238,8 @@ class FitLoop:
         ):
             self._record(last_val_reload=epoch)  # data given to the loop: loaded "now"
         try:
+            if self.donate:
+                self._guard.install()
             self._run()
         except KeyboardInterrupt as exc:
             # the exception handlers see the last committed state; fit returns the latest
@@ -374,7 +391,7 @@ class FitLoop:
                 num_batches=num,
             )
         close = schedule.is_optimizer_step(batch_idx, self._factor, num, is_last)
-        state, grads = self.step.backward(self.state, batch, end_window=close)
+        state, grads = self._stepper.backward(self.state, batch, end_window=close)
         if grads.ready:
             if heard_before:
                 state = drv.fire(
@@ -440,24 +457,20 @@ class FitLoop:
         drv.logger_step = self.state.progress.step
 
     def _apply(self, state: TrainState, grads: Any) -> tuple[TrainState, Any]:
-        """The optimizer update; in place on the loop's own state once it owns one.
+        """The optimizer update; in place when donating.
 
-        The update that writes in place consumes the last commit point (its tensors are the
-        ones written), so the driver forgets it and marks the state torn until the update
-        returns; Ctrl-C waits for that (``InterruptGuard``). The first finite update, which
-        makes new tensors, hands the loop a state of its own.
+        An update in place consumes the last commit point (its tensors are the ones
+        written): the driver forgets it (``past_commit``) and marks the state torn until the
+        update returns, and Ctrl-C waits for that (``InterruptGuard``).
         """
-        updater = self._updater
-        if updater is self.step:
-            state, out = updater.apply(state, grads)
-            if self.donate and grads.finite:
-                self._updater = self.step.donating(backward=False)
-            return state, out
+        if not self.donate:
+            return self._stepper.apply(state, grads)
         drv, guard = self.driver, self._guard
-        drv.last_commit = None
-        drv.torn = True
         guard.enter()
-        state, out = updater.apply(state, grads)
+        drv.torn = True
+        drv.last_commit = None
+        drv.past_commit = True
+        state, out = self._stepper.apply(state, grads)
         self.state = state
         drv.torn = False
         guard.leave()  # a Ctrl-C held back during the update is raised here
@@ -510,6 +523,11 @@ class FitLoop:
         self._record(train_epoch={})
         drv.logger_step = self.state.progress.step
         drv.commit(self.state)
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` with every tensor copied (the state a donating loop may write in place)."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
 def _merged_specs(

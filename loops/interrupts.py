@@ -7,7 +7,8 @@ one. ``InterruptGuard`` installs a SIGINT handler for the run: outside a critica
 raises ``KeyboardInterrupt`` at once, as Python's default handler does; inside one it notes
 the signal and raises when the section ends, where the state is whole again. It installs
 itself only in the main thread (the only one Python delivers signals to) and only over
-Python's default handler, so a handler of the user's own is left alone.
+Python's default handler or another guard's (a fit inside a fit), so a handler of the
+user's own is left alone.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ class InterruptGuard:
         self._previous: Any = None
 
     def install(self) -> bool:
-        """Take over SIGINT if this is the main thread and Python's default handler is in
-        place; returns whether it did."""
+        """Take over SIGINT if this is the main thread and Python's default handler (or
+        another guard's) is in place; returns whether it did."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        current = signal.getsignal(signal.SIGINT)
+        nested = isinstance(getattr(current, "__self__", None), InterruptGuard)
+        if current is not signal.default_int_handler and not nested:
             return False
         self._previous = signal.signal(signal.SIGINT, self._handle)
         self.installed = True

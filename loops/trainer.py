@@ -96,10 +96,10 @@ class Trainer:
     strategy (``hardware.from_flags``). Every flag not passed explicitly may come from a
     ``PURESTEP_TRAINER_<FLAG>`` environment variable.
 
-    ``donate_state`` (default True): fit updates its own state in place after the first
-    optimizer step, as a hand-written PyTorch loop does — one copy of the parameters and
-    optimizer state instead of two during a step, and faster; results are bitwise the same
-    and the state passed in is never written (see ``loops.fit.FitLoop``). With it, a state
+    ``donate_state`` (default True): fit's optimizer updates write the parameters and
+    optimizer state in place, as a hand-written PyTorch loop does — one copy of them instead
+    of two during a step, and faster; results are bitwise the same and a state passed to
+    ``fit(state=...)`` is copied first, never written (see ``loops.fit.FitLoop``). With it, a state
     shown to a callback is overwritten by the next step (copy what you keep) and
     ``on_exception`` sees the latest state rather than the last commit point; False keeps
     every state immutable.
@@ -239,6 +239,8 @@ class Trainer:
         self._driver: Driver | None = None
         self._task: Task | None = None
         self._loop: FitLoop | None = None
+        # Whether the last fit failed inside an in-place update (it left no whole state).
+        self._torn = False
         # Effects a test (or an embedding application) may replace.
         self._clock: Callable[[], float] = time.monotonic
         self._printer: Callable[[str], None] | None = None
@@ -540,6 +542,7 @@ class Trainer:
         task.setup("fit")
         net = self.strategy.convert_model(task.get_model())
         opt = self._optimizer(task)
+        owned = state is None  # built here: the loop may update it in place without a copy
         if state is None:
             state = engine.init(net, opt, seed=seed, strategy=self.strategy)
         elapsed = 0.0
@@ -611,10 +614,11 @@ class Trainer:
         self._loop = loop
         try:
             with self._run_context(), self.checkpointing.preemption(driver, driver.callbacks):
-                state = loop.run(state)
+                state = loop.run(state, owned=owned)
         finally:
             self.checkpointing.wait()
             self.status = driver.status
+            self._torn = driver.torn
             if driver.torn:  # failed inside an in-place update: no whole state to offer
                 self.train_state = None
             else:
@@ -628,7 +632,12 @@ class Trainer:
     # ------------------------------------------------------------------ evaluate / predict
 
     def _eval_target(
-        self, model: Any, fn: Any, state: TrainState | None, method: str
+        self,
+        model: Any,
+        fn: Any,
+        state: TrainState | None,
+        method: str,
+        ckpt_path: str | None = None,
     ) -> tuple[Task, TrainState]:
         if isinstance(model, TrainState):
             if state is not None:
@@ -658,6 +667,12 @@ class Trainer:
         if state is None:
             if self.train_state is not None and task is self._task:
                 state = self.train_state
+            elif self._torn and task is self._task and ckpt_path is None:
+                raise RuntimeError(
+                    f"{method.removesuffix('_step')}: the last fit failed inside an in-place "
+                    "optimizer update and left no whole state to use; pass ckpt_path= (e.g. "
+                    "'last') or a state"
+                )
             else:
                 state = engine.init(task.get_model(), optim.identity(), strategy=self.strategy)
         return task, state
@@ -696,7 +711,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         name = "validate" if stage == Stage.VALIDATE else "test"
         method = "validation_step" if stage == Stage.VALIDATE else "test_step"
-        task, state = self._eval_target(model, fn, state, method)
+        task, state = self._eval_target(model, fn, state, method, ckpt_path)
         state = self._from_checkpoint(ckpt_path, state, name)
         if not task.has(method):
             raise NotImplementedError(f"{type(task).__name__} does not define {method}()")
@@ -784,7 +799,7 @@ class Trainer:
             is_fitted = self._task is not None and self._task.get_model() is model
             if not is_fitted:
                 fn = default_predict
-        task, state = self._eval_target(model, fn, state, "predict_step")
+        task, state = self._eval_target(model, fn, state, "predict_step", ckpt_path)
         state = self._from_checkpoint(ckpt_path, state, "predict")
         dataloaders = self._data_for("predict", dataloaders, datamodule, "predict_dataloader")
         task.setup("predict")

@@ -284,3 +284,161 @@ def test_interrupt_guard_leaves_other_threads_and_custom_handlers_alone():
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def _nan_once():
+    """A loss function whose first call gives NaN gradients (a step skip_nonfinite skips)."""
+    calls = []
+
+    def loss(apply, batch):
+        calls.append(1)
+        value = loss_fn(apply, batch)
+        return value * float("nan") if len(calls) == 1 else value
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "opt, loss",
+    [
+        (optim.accumulate(optim.adam(1e-2), 2), loss_fn),  # returns the input until it steps
+        (optim.skip_nonfinite(optim.sgd(0.1, momentum=0.9)), None),  # skips the first update
+    ],
+    ids=["accumulate", "skip-nonfinite"],
+)
+def test_optimizers_that_pass_the_input_through_never_expose_the_callers_state(opt, loss):
+    model = net()
+    for run in ("loops.fit", "Trainer"):
+        state = engine.init(model, opt, seed=0)
+        before = clone(state)
+        fn = loss or _nan_once()
+        if run == "loops.fit":
+            step = engine.train_step(model, fn, opt)
+            fit(state, step, loader(), donate=True, config=LoopConfig.create(max_epochs=1))
+        else:
+            trainer(max_epochs=1).fit(model, fn, opt, loader(), state=state)
+        assert_trees_equal(state, before)
+
+
+def test_a_fit_loop_run_twice_copies_each_callers_state():
+    from loops.data import source
+    from loops.driver import Driver
+    from loops.fit import FitLoop
+
+    model, opt = net(), optim.adam(1e-2)
+    step = engine.train_step(model, loss_fn, opt)
+    train = source(loader())
+    loop = FitLoop(
+        step,
+        train,
+        driver=Driver(fn="fit", config=LoopConfig.create(max_epochs=1)),
+        config=LoopConfig.create(max_epochs=1),
+        donate=True,
+    )
+    for seed in (0, 1):
+        state = engine.init(model, opt, seed=seed)
+        before = clone(state)
+        loop.run(state)
+        assert_trees_equal(state, before)
+
+
+def test_a_metric_that_is_a_parameter_reports_the_value_the_step_saw():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 3)
+            self.temp = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return self.lin(x) * self.temp, self.temp
+
+    def scaled_loss(apply, batch):
+        x, y = batch
+        logits, temp = apply(x)
+        return F.cross_entropy(logits, y), {"temp": temp}
+
+    logged = {}
+    for donate in (False, True):
+        logger = MemoryLogger()
+        t = trainer(max_epochs=1, log_every_n_steps=1, logger=logger, donate_state=donate)
+        t.fit(Scaled(), scaled_loss, optim.sgd(0.5), loader())
+        logged[donate] = [float(m["train_temp"]) for _, m in logger.metrics if "train_temp" in m]
+    assert len(logged[True]) == 6 and logged[True][0] == 1.0
+    assert logged[True] == logged[False]
+
+
+def test_an_exception_checkpoint_past_the_commit_point_says_so(tmp_path):
+    def boom(ctx):
+        raise RuntimeError("validation failed")
+
+    said = []
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_on_exception=True, save_top_k=0)
+    t = trainer(
+        enable_checkpointing=True,
+        callbacks=[ckpt, LambdaCallback(name="boom", on_validation_batch_start=boom)],
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+    )
+    t._printer = said.append
+    with pytest.raises(RuntimeError, match="validation failed"):
+        t.fit(net(), loss_fn, optim.adam(1e-2), loader(), loader(8))
+    assert os.listdir(tmp_path) == ["epoch=0-step=3.ckpt"]  # after batch 2's step
+    assert any("past the last commit point" in line for line in said)
+
+
+def test_a_custom_step_without_donating_is_refused_up_front():
+    from loops.driver import Driver
+    from loops.fit import FitLoop
+
+    class Wrapped:
+        def backward(self, state, batch, end_window=None): ...
+
+        def apply(self, state, grads): ...
+
+    config = LoopConfig.create(max_epochs=1)
+    with pytest.raises(TypeError, match=r"donate=True\) needs a step with donating"):
+        FitLoop(Wrapped(), [], driver=Driver(fn="fit", config=config), config=config, donate=True)
+
+
+def test_evaluating_after_a_torn_fit_needs_a_checkpoint_or_a_state():
+    def fail(count):
+        if count == 2:
+            raise RuntimeError("optimizer exploded")
+
+    t = trainer()
+    model = net()
+    with pytest.raises(RuntimeError, match="optimizer exploded"):
+        t.fit(model, loss_fn, hook_after(optim.adam(1e-2), fail), loader())
+    with pytest.raises(RuntimeError, match="left no whole state"):
+        t.validate(verbose=False, dataloaders=loader(8))
+
+
+def test_ctrl_c_in_a_fit_inside_a_fit_waits_for_the_whole_state():
+    guard = InterruptGuard()
+    if not guard.install():
+        pytest.skip("SIGINT is not Python's default handler here")
+    guard.uninstall()
+
+    def interrupt(count):
+        if count == 3:
+            signal.raise_signal(signal.SIGINT)
+
+    inner = {}
+
+    def run_inner(ctx):
+        if ctx.batch_idx == 0 and not inner:
+            t = trainer()
+            t._printer = lambda s: None
+            opt = hook_after(optim.adam(1e-2), interrupt)
+            inner["state"] = t.fit(net(), loss_fn, opt, loader())
+            inner["interrupted"] = t.interrupted
+
+    nested = LambdaCallback(name="inner", on_train_batch_end=run_inner)
+    outer = trainer(max_epochs=1, callbacks=[nested])
+    outer.fit(net(), loss_fn, optim.sgd(0.1), loader())
+    assert inner["interrupted"] and inner["state"].progress.step == 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
