@@ -23,6 +23,7 @@ see ``TrainStep`` for how it tells them apart.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable, Mapping
@@ -60,6 +61,9 @@ __all__ = [
 
 LossFn = Callable[[nn.Module, Any], Any]
 Tensor = torch.Tensor
+# A reusable do-nothing context (entering ``torch.enable_grad()`` when grad mode is already on
+# costs about 1.5 us a step).
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 @struct
@@ -723,7 +727,7 @@ class TrainStep:
         with (
             rng.scope(key, generators=self._rng_generators),
             self.binder.bind(bound_params, buffers, True) as apply,
-            torch.enable_grad(),
+            _NO_CONTEXT if torch.is_grad_enabled() else torch.enable_grad(),
             self.strategy.precision.autocast(),
         ):
             loss, metrics = split_output(self.loss_fn(apply, batch), "loss_fn")

@@ -23,6 +23,10 @@ __all__ = ["Local", "Precision", "Strategy"]
 ReduceOp = str  # "mean" | "sum" | "max" | "min"
 
 
+# One shared do-nothing context (``nullcontext`` is reusable and re-entrant).
+_NO_AUTOCAST = contextlib.nullcontext()
+
+
 class Precision:
     """A numeric precision policy; this base class is full precision (it does nothing).
 
@@ -47,7 +51,7 @@ class Precision:
         return batch
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        return _NO_AUTOCAST
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
