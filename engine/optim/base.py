@@ -19,7 +19,7 @@ that the next transform of a chain may write into them when donating.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -72,14 +72,25 @@ class EmptyState:
 _DONATING: ContextVar[bool] = ContextVar("purestep_optim_donating", default=False)
 
 
-@contextlib.contextmanager
-def donating(enabled: bool = True) -> Iterator[None]:
+class _Setting:
+    """A context that sets a context variable for its block (a class, not a generator
+    context manager: the train step enters one every step, and this costs a third)."""
+
+    __slots__ = ("_token", "_value", "_var")
+
+    def __init__(self, var: ContextVar[bool], value: bool) -> None:
+        self._var, self._value, self._token = var, value, None
+
+    def __enter__(self) -> None:
+        self._token = self._var.set(self._value)
+
+    def __exit__(self, *exc: object) -> None:
+        self._var.reset(self._token)
+
+
+def donating(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within this block built-in transforms may reuse their inputs' storage (see module doc)."""
-    token = _DONATING.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _DONATING.reset(token)
+    return _Setting(_DONATING, bool(enabled))
 
 
 def is_donating() -> bool:
@@ -90,8 +101,7 @@ def is_donating() -> bool:
 _OWNS_UPDATES: ContextVar[bool] = ContextVar("purestep_optim_owns_updates", default=False)
 
 
-@contextlib.contextmanager
-def owning_updates(enabled: bool = True) -> Iterator[None]:
+def owning_updates(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within this block the incoming updates (gradients) are the transform's to overwrite.
 
     Weaker than ``donating()``: states and params stay untouched; only the gradient tensors
@@ -107,11 +117,7 @@ def owning_updates(enabled: bool = True) -> Iterator[None]:
     pass a copy; otherwise the built-in transform overwrites that data. Likewise a custom
     transform must not return updates that alias its state or the params.
     """
-    token = _OWNS_UPDATES.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _OWNS_UPDATES.reset(token)
+    return _Setting(_OWNS_UPDATES, bool(enabled))
 
 
 def owns_updates() -> bool:
