@@ -71,6 +71,24 @@ def hook_after(tx, hook):
     return optim.chain(tx, optim.GradientTransformation(init, update))
 
 
+def needs_default_sigint():
+    """Skip unless Python's default SIGINT handler is in place (the guard installs over it)."""
+    guard = InterruptGuard()
+    if not guard.install():
+        pytest.skip("SIGINT is not Python's default handler here")
+    guard.uninstall()
+
+
+def sigint_at(count):
+    """A ``hook_after`` hook that sends this process SIGINT at update ``count``."""
+
+    def hook(n):
+        if n == count:
+            signal.raise_signal(signal.SIGINT)
+
+    return hook
+
+
 def clone(state):
     return tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
 
@@ -197,15 +215,8 @@ def test_a_failure_inside_a_donated_update_saves_nothing_and_says_why(tmp_path):
 
 
 def test_ctrl_c_during_a_donated_update_waits_for_the_whole_state():
-    guard = InterruptGuard()
-    if not guard.install():
-        pytest.skip("SIGINT is not Python's default handler here")
-    guard.uninstall()
-
-    def interrupt(count):
-        if count == 3:
-            signal.raise_signal(signal.SIGINT)  # lands after Adam's in-place writes
-
+    needs_default_sigint()
+    interrupt = sigint_at(3)  # lands after Adam's in-place writes
     t = trainer(donate_state=True)
     t._printer = lambda s: None
     state = t.fit(net(), loss_fn, hook_after(optim.adam(1e-2), interrupt), loader())
@@ -418,15 +429,8 @@ def test_evaluating_after_a_torn_fit_needs_a_checkpoint_or_a_state():
 
 
 def test_ctrl_c_in_a_fit_inside_a_fit_waits_for_the_whole_state():
-    guard = InterruptGuard()
-    if not guard.install():
-        pytest.skip("SIGINT is not Python's default handler here")
-    guard.uninstall()
-
-    def interrupt(count):
-        if count == 3:
-            signal.raise_signal(signal.SIGINT)
-
+    needs_default_sigint()
+    interrupt = sigint_at(3)
     inner = {}
 
     def run_inner(ctx):
