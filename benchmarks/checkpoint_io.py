@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-from engine import checkpoint, optim, tree
+from purestep import engine
+from purestep.engine import checkpoint, optim, tree
 
 try:
     import _harness

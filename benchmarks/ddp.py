@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-import hardware
-from engine import optim
+from purestep import engine, hardware
+from purestep.engine import optim
 
 
 def _loss(apply, batch):

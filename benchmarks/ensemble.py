@@ -81,9 +81,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-import hardware
-from engine import optim, rng, tree
+from purestep import engine, hardware
+from purestep.engine import optim, rng, tree
 
 try:
     import _harness

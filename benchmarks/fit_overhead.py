@@ -77,9 +77,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import engine
-from engine import optim
-from loops import Trainer
+from purestep import engine
+from purestep.engine import optim
+from purestep.loops import Trainer
 
 try:
     import _harness

@@ -58,9 +58,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import engine
-from engine import checkpoint, optim
-from loops import Trainer, source
+from purestep import engine
+from purestep.engine import checkpoint, optim
+from purestep.loops import Trainer, source
 
 try:
     import _harness

@@ -71,8 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-from engine import optim, tree
+from purestep import engine
+from purestep.engine import optim, tree
 
 try:
     import _harness

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-from engine import checkpoint, optim, rng
-from loops import Driver, aggregate, data, loop_state
-from loops.callbacks import LambdaCallback, init_states
-from loops.events import Requests
-from loops.loggers import CSVLogger
+from purestep import engine
+from purestep.engine import checkpoint, optim, rng
+from purestep.loops import Driver, aggregate, data, loop_state
+from purestep.loops.callbacks import LambdaCallback, init_states
+from purestep.loops.events import Requests
+from purestep.loops.loggers import CSVLogger
 
 NOISE = 8
 

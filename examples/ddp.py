@@ -22,10 +22,8 @@ import os
 from digits import load, loss_fn  # examples/digits.py: the same data split and loss
 from torch import nn
 
-import engine
-import hardware
-import loops
-from engine import metrics, optim, rng
+from purestep import engine, hardware, loops
+from purestep.engine import metrics, optim, rng
 
 
 def evaluate(strategy, step, state, data, batch_size: int = 128) -> float:

@@ -16,10 +16,10 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from engine import metrics, optim, rng
-from loops import Trainer
-from loops.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from loops.loggers import CSVLogger, TensorBoardLogger
+from purestep.engine import metrics, optim, rng
+from purestep.loops import Trainer
+from purestep.loops.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from purestep.loops.loggers import CSVLogger, TensorBoardLogger
 
 
 def load(seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

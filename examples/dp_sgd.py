@@ -21,8 +21,8 @@ import torch
 from digits import load, loss_fn  # examples/digits.py: the same data split and loss
 from torch import nn
 
-import engine
-from engine import metrics, optim, rng
+from purestep import engine
+from purestep.engine import metrics, optim, rng
 
 
 def evaluate(step, state, data, batch_size=256) -> float:

@@ -27,7 +27,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from engine.tree import NAMESPACE, PyTree
+from purestep.engine.tree import NAMESPACE, PyTree
 
 __all__ = ["REDUCE_OPS", "CollectiveError", "all_reduce_tree", "broadcast_tree", "diagnosed"]
 

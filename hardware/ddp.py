@@ -57,11 +57,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import metrics
-from engine.loss_scale import DynamicLossScale
-from engine.step import TrainStep
-from engine.strategy import Precision, Strategy
-from engine.tree import PyTree, flatten_with_paths
+from purestep.engine import metrics
+from purestep.engine.loss_scale import DynamicLossScale
+from purestep.engine.step import TrainStep
+from purestep.engine.strategy import Precision, Strategy
+from purestep.engine.tree import PyTree, flatten_with_paths
 
 from .collectives import all_reduce_tree, broadcast_tree, check_op, diagnosed
 from .precision import precision as make_precision

@@ -66,10 +66,10 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from engine import optim, rng
-from engine.bind import Binder
-from engine.state import Progress, TrainState, materialize, trainable_names
-from engine.step import (
+from purestep.engine import optim, rng
+from purestep.engine.bind import Binder
+from purestep.engine.state import Progress, TrainState, materialize, trainable_names
+from purestep.engine.step import (
     NoGradStep,
     StepOutput,
     TrainStep,
@@ -79,8 +79,8 @@ from engine.step import (
     scalar_gradients,
     split_output,
 )
-from engine.strategy import Local, Strategy
-from engine.tree import NAMESPACE, leaves, struct
+from purestep.engine.strategy import Local, Strategy
+from purestep.engine.tree import NAMESPACE, leaves, struct
 
 from . import member_optim
 from .members import is_ensemble, size, stack

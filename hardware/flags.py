@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.strategy import Strategy
+from purestep.engine.strategy import Strategy
 
 from .ddp import ddp_from_flags
 from .precision import _ALIASES

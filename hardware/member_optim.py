@@ -28,9 +28,9 @@ from typing import Any
 import optree
 import torch
 
-from engine import optim, rng, tree
-from engine.optim import GradientTransformation, InjectHyperparamsState
-from engine.tree import NAMESPACE
+from purestep.engine import optim, rng, tree
+from purestep.engine.optim import GradientTransformation, InjectHyperparamsState
+from purestep.engine.tree import NAMESPACE
 
 __all__ = [
     "check_separable",

@@ -18,9 +18,9 @@ from typing import Any
 import optree
 import torch
 
-from engine import rng, tree
-from engine.state import TrainState
-from engine.tree import NAMESPACE, struct
+from purestep.engine import rng, tree
+from purestep.engine.state import TrainState
+from purestep.engine.tree import NAMESPACE, struct
 
 __all__ = ["EXTRA_KEY", "STACKED_FIELDS", "EnsembleInfo", "is_ensemble", "member", "size", "stack"]
 

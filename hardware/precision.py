@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from engine.loss_scale import DynamicLossScale
-from engine.strategy import Precision
-from engine.tree import cast
+from purestep.engine.loss_scale import DynamicLossScale
+from purestep.engine.strategy import Precision
+from purestep.engine.tree import cast
 
 __all__ = ["MixedPrecision", "TruePrecision", "precision", "PRECISIONS"]
 

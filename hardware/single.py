@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.loss_scale import DynamicLossScale
-from engine.strategy import Precision, Strategy
+from purestep.engine.loss_scale import DynamicLossScale
+from purestep.engine.strategy import Precision, Strategy
 
 from .precision import precision as make_precision
 

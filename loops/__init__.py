@@ -10,7 +10,7 @@ compositions ``fit`` / ``FitLoop``, ``validate``, ``test``, ``run_evaluation``, 
 ``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use.
 
 Note: the names ``fit``, ``evaluate`` and ``predict`` are the functions; the modules of the
-same names stay importable (``from loops.fit import FitLoop``).
+same names stay importable (``from purestep.loops.fit import FitLoop``).
 """
 
 from __future__ import annotations

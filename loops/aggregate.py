@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from engine import metrics as M
-from engine.tree import field, struct
+from purestep.engine import metrics as M
+from purestep.engine.tree import field, struct
 
 __all__ = [
     "Logged",

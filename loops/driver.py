@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.state import TrainState
+from purestep.engine.state import TrainState
 
 from . import loop_state
 from .callbacks.base import Callback

@@ -21,8 +21,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.state import TrainState
-from engine.step import batch_size
+from purestep.engine.state import TrainState
+from purestep.engine.step import batch_size
 
 from . import aggregate, loop_state, schedule
 from .data import length

@@ -15,7 +15,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.state import Progress, TrainState
+from purestep.engine.state import Progress, TrainState
 
 __all__ = [
     "EVENTS",

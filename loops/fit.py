@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from engine.state import TrainState
-from engine.tree import map as tree_map
+from purestep.engine.state import TrainState
+from purestep.engine.tree import map as tree_map
 
 from . import aggregate, loop_state, schedule
 from .callbacks.base import init_states

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.state import TrainState
-from engine.tree import field, struct
+from purestep.engine.state import TrainState
+from purestep.engine.tree import field, struct
 
 from .aggregate import MetricSpec
 

@@ -10,8 +10,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.state import TrainState
-from engine.tree import map as tree_map
+from purestep.engine.state import TrainState
+from purestep.engine.tree import map as tree_map
 
 from . import schedule
 from .data import length

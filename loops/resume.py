@@ -35,8 +35,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine import checkpoint as ck
-from engine.state import TrainState
+from purestep.engine import checkpoint as ck
+from purestep.engine.state import TrainState
 
 from .callbacks.checkpoint import ModelCheckpoint
 

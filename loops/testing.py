@@ -6,7 +6,7 @@
 a hand-written loop can be checked against what ``fit`` would do::
 
     from hypothesis import given, strategies as st
-    from loops import schedule, testing
+    from purestep.loops import schedule, testing
 
     def my_steps(config, length):  # a custom loop: how many optimizer steps does it take?
         steps, batches = 0, schedule.train_batches(config, length)
@@ -37,7 +37,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from engine.state import Progress
+from purestep.engine.state import Progress
 
 from . import schedule
 from .config import FLAG_NAMES, LIMIT_FLAGS, LoopConfig

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import engine
-import hardware
-from engine import optim, rng
-from engine.state import TrainState
+from purestep import engine, hardware
+from purestep.engine import optim, rng
+from purestep.engine.state import TrainState
 
 from . import loop_state, schedule
 from .callbacks import ModelCheckpoint, ModelSummary, ProgressBar, Timer
@@ -833,7 +832,7 @@ def _overrides(obj: Any, method: str) -> bool:
 
 def _exists(url: str) -> bool:
     """Whether a file exists on any fsspec filesystem (for checkpoint version suffixes)."""
-    from engine.checkpoint import storage
+    from purestep.engine.checkpoint import storage
 
     return storage.exists(url)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import tree
+from purestep.engine import tree
 
 
 def mlp(seed: int = 0, dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:

@@ -23,11 +23,11 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import metrics, optim
-from loops import Trainer
-from loops.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
-from loops.data import keyed
-from loops.loggers import CSVLogger
+from purestep.engine import metrics, optim
+from purestep.loops import Trainer
+from purestep.loops.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
+from purestep.loops.data import keyed
+from purestep.loops.loggers import CSVLogger
 from tests.helpers import digest
 
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import metrics as M
-from loops.aggregate import (
+from purestep.engine import metrics as M
+from purestep.loops.aggregate import (
     accumulate,
     epoch_values,
     log,

@@ -5,11 +5,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import engine
-from engine import optim
-from loops.callbacks import ModelCheckpoint, init_states
-from loops.config import LoopConfig
-from loops.events import Context, dispatch
+from purestep import engine
+from purestep.engine import optim
+from purestep.loops.callbacks import ModelCheckpoint, init_states
+from purestep.loops.config import LoopConfig
+from purestep.loops.events import Context, dispatch
 from tests.helpers import mlp
 
 

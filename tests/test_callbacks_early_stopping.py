@@ -11,12 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import optim
-from engine.state import Progress
-from loops.callbacks import EarlyStopping, StoppingReason, init_states
-from loops.config import LoopConfig
-from loops.events import Context, Requests, dispatch
+from purestep import engine
+from purestep.engine import optim
+from purestep.engine.state import Progress
+from purestep.loops.callbacks import EarlyStopping, StoppingReason, init_states
+from purestep.loops.config import LoopConfig
+from purestep.loops.events import Context, Requests, dispatch
 
 INF = math.inf
 NAN = math.nan
@@ -217,7 +217,7 @@ def test_skipped_outside_fit_in_sanity_check_and_fast_dev_run(ctx_kw):
 
 
 def test_reads_the_loop_config_flags():
-    LoopConfig = pytest.importorskip("loops.config").LoopConfig
+    LoopConfig = pytest.importorskip("purestep.loops.config").LoopConfig
     cb = EarlyStopping("v", patience=0)
     _, stops, _ = run(cb, [1, 1], "v", config=LoopConfig.create(val_check_interval=0.5))
     assert stops == []  # checked at validation end instead

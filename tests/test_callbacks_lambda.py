@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-import engine
-from engine import optim
-from loops.callbacks import LambdaCallback, init_states
-from loops.callbacks.base import Callback
-from loops.events import EVENTS, Context, Requests, dispatch
+from purestep import engine
+from purestep.engine import optim
+from purestep.loops.callbacks import LambdaCallback, init_states
+from purestep.loops.callbacks.base import Callback
+from purestep.loops.events import EVENTS, Context, Requests, dispatch
 
 
 def _state(callbacks):

@@ -9,12 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import optim
-from engine.state import Progress
-from loops.callbacks import LearningRateMonitor, find_hyperparams, init_states, should_log_step
-from loops.config import LoopConfig
-from loops.events import Context, dispatch
+from purestep import engine
+from purestep.engine import optim
+from purestep.engine.state import Progress
+from purestep.loops.callbacks import (
+    LearningRateMonitor,
+    find_hyperparams,
+    init_states,
+    should_log_step,
+)
+from purestep.loops.config import LoopConfig
+from purestep.loops.events import Context, dispatch
 
 inject = optim.inject_hyperparams
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-import engine
-from engine import optim
-from engine.state import Progress
-from loops.callbacks import ProgressBar
-from loops.events import Context
+from purestep import engine
+from purestep.engine import optim
+from purestep.engine.state import Progress
+from purestep.loops.callbacks import ProgressBar
+from purestep.loops.events import Context
 
 
 def _state(epoch=0, batch_in_epoch=0):

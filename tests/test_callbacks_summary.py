@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import engine
-from engine import optim, tree
-from loops.callbacks import ModelSummary, init_states, layer_summaries, summarize, totals
-from loops.events import Context, dispatch
+from purestep import engine
+from purestep.engine import optim, tree
+from purestep.loops.callbacks import ModelSummary, init_states, layer_summaries, summarize, totals
+from purestep.loops.events import Context, dispatch
 
 
 def _model() -> nn.Module:

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import optim
-from loops.callbacks import Timer, init_states, parse_duration
-from loops.events import Context, dispatch
+from purestep import engine
+from purestep.engine import optim
+from purestep.loops.callbacks import Timer, init_states, parse_duration
+from purestep.loops.events import Context, dispatch
 
 
 class Run:

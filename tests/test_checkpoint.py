@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import checkpoint as ck
-from engine import metrics, optim, tree
+from purestep import engine
+from purestep.engine import checkpoint as ck
+from purestep.engine import metrics, optim, tree
 from tests.helpers import batches, loss_fn, mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,7 +163,7 @@ def test_object_store_mode_commits_with_a_marker():
 _KILL_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from engine import checkpoint as ck
+from purestep.engine import checkpoint as ck
 big = {{"w": torch.randn(8_000_000)}}
 print("ready", flush=True)
 while True:
@@ -220,7 +220,7 @@ def test_async_save_errors_surface_on_wait():
 _EXIT_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from engine import checkpoint as ck
+from purestep.engine import checkpoint as ck
 saver = ck.AsyncCheckpointer()
 saver.save({{"w": torch.randn(4_000_000)}}, {path!r})
 """

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loops import testing
-from loops.config import FLAG_NAMES, LoopConfig, normalize_limit, parse_duration
+from purestep.loops import testing
+from purestep.loops.config import FLAG_NAMES, LoopConfig, normalize_limit, parse_duration
 
 LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
 

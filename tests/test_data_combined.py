@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import loops.data as data
+from purestep.loops import data
 
 
 def reference(lists, mode, limits):

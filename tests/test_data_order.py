@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from engine import rng
-from loops.data import order
+from purestep.engine import rng
+from purestep.loops.data import order
 
 seeds = st.integers(0, 2**64 - 1)
 sizes = st.integers(0, 60)

@@ -18,8 +18,8 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-import loops.data as data
-from loops.data import order
+from purestep.loops import data
+from purestep.loops.data import order
 
 
 class Counting(Dataset):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-import loops.data as data
-from engine import rng
+from purestep.engine import rng
+from purestep.loops import data
 
 WORKERS = {"num_workers": 2, "timeout": 60}
 

@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import engine
-import hardware
-from engine import metrics, optim, tree
+from purestep import engine, hardware
+from purestep.engine import metrics, optim, tree
 from tests.helpers import batches, loss_fn, mlp
 
 pytestmark = pytest.mark.timeout(120)

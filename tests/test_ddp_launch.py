@@ -18,9 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import engine
-import hardware
-from engine import optim
+from purestep import engine, hardware
+from purestep.engine import optim
 from tests.helpers import batches, loss_fn, mlp
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,7 +164,7 @@ def test_workers_die_with_the_launching_process(tmp_path):
         f"""
         import sys
         sys.path.insert(0, {ROOT!r})
-        import hardware
+        from purestep import hardware
         from tests.test_ddp_launch import _sleep
         hardware.launch(_sleep, 2, {str(tmp_path)!r})
         """

@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import engine
-import hardware
-from engine import optim, tree
-from hardware.process_env import ProcessEnv
+from purestep import engine, hardware
+from purestep.engine import optim, tree
+from purestep.hardware.process_env import ProcessEnv
 from tests.helpers import batches, loss_fn, mlp
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import hardware
-from engine import optim, tree
-from loops import Trainer
-from loops.callbacks import LambdaCallback
-from loops.events import Requests
-from loops.loggers import MemoryLogger
+from purestep import hardware
+from purestep.engine import optim, tree
+from purestep.loops import Trainer
+from purestep.loops.callbacks import LambdaCallback
+from purestep.loops.events import Requests
+from purestep.loops.loggers import MemoryLogger
 from tests.helpers import mlp
 
 pytestmark = pytest.mark.timeout(180)
@@ -115,7 +115,7 @@ def _resumable_fit(rank: int, folder: str, kill_at: int | None, resume: bool) ->
     import os
     import signal
 
-    from loops.callbacks import ModelCheckpoint
+    from purestep.loops.callbacks import ModelCheckpoint
     from tests.helpers import digest
 
     os.chdir(folder)

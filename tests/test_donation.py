@@ -15,15 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import engine
-import hardware
-from engine import optim, tree
-from engine.tree import assert_trees_equal
-from loops import Trainer, fit
-from loops.callbacks import LambdaCallback, ModelCheckpoint
-from loops.config import LoopConfig
-from loops.interrupts import InterruptGuard
-from loops.loggers import MemoryLogger
+from purestep import engine, hardware
+from purestep.engine import optim, tree
+from purestep.engine.tree import assert_trees_equal
+from purestep.loops import Trainer, fit
+from purestep.loops.callbacks import LambdaCallback, ModelCheckpoint
+from purestep.loops.config import LoopConfig
+from purestep.loops.interrupts import InterruptGuard
+from purestep.loops.loggers import MemoryLogger
 
 # --------------------------------------------------------------------------- helpers
 
@@ -335,9 +334,9 @@ def test_optimizers_that_pass_the_input_through_never_expose_the_callers_state(o
 
 
 def test_a_fit_loop_run_twice_copies_each_callers_state():
-    from loops.data import source
-    from loops.driver import Driver
-    from loops.fit import FitLoop
+    from purestep.loops.data import source
+    from purestep.loops.driver import Driver
+    from purestep.loops.fit import FitLoop
 
     model, opt = net(), optim.adam(1e-2)
     step = engine.train_step(model, loss_fn, opt)
@@ -402,8 +401,8 @@ def test_an_exception_checkpoint_past_the_commit_point_says_so(tmp_path):
 
 
 def test_a_custom_step_without_donating_is_refused_up_front():
-    from loops.driver import Driver
-    from loops.fit import FitLoop
+    from purestep.loops.driver import Driver
+    from purestep.loops.fit import FitLoop
 
     class Wrapped:
         def backward(self, state, batch, end_window=None): ...

@@ -23,10 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-import hardware
-from engine import checkpoint, metrics, optim, rng, tree
-from hardware import member_optim
+from purestep import engine, hardware
+from purestep.engine import checkpoint, metrics, optim, rng, tree
+from purestep.hardware import member_optim
 
 K = 3
 

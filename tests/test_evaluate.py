@@ -9,16 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import metrics, optim
-from loops import log
-from loops.callbacks import LambdaCallback
-from loops.config import LoopConfig
-from loops.data import source
-from loops.driver import Driver
-from loops.evaluate import run_evaluation, test, validate
-from loops.events import EVENTS, TEST_EVENTS, VALIDATE_EVENTS, Requests, Stage
-from loops.loggers import MemoryLogger
+from purestep import engine
+from purestep.engine import metrics, optim
+from purestep.loops import log
+from purestep.loops.callbacks import LambdaCallback
+from purestep.loops.config import LoopConfig
+from purestep.loops.data import source
+from purestep.loops.driver import Driver
+from purestep.loops.evaluate import run_evaluation, test, validate
+from purestep.loops.events import EVENTS, TEST_EVENTS, VALIDATE_EVENTS, Requests, Stage
+from purestep.loops.loggers import MemoryLogger
 
 
 def model():
@@ -148,7 +148,7 @@ def test_run_evaluation_sanity_logs_nothing_and_counts_nothing():
         state, step, sources, stage=Stage.SANITY_CHECK, driver=driver, max_batches=[2]
     )
     assert logger.metrics == [] and results == [{"val_s_epoch": results[0]["val_s_epoch"]}]
-    from loops import loop_state
+    from purestep.loops import loop_state
 
     assert loop_state.get(state).callback_metrics == {}
     state, _ = run_evaluation(

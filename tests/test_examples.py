@@ -7,7 +7,7 @@ import runpy
 
 import pytest
 
-from engine import checkpoint, tree
+from purestep.engine import checkpoint, tree
 
 pytest.importorskip("sklearn")
 

@@ -13,17 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import optim
-from engine.tree import assert_trees_equal
-from loops import log, schedule, testing
-from loops.callbacks import Callback, LambdaCallback, Timer
-from loops.config import LoopConfig
-from loops.data import source
-from loops.driver import Driver
-from loops.events import EVENTS, FIT_EVENTS, Requests
-from loops.fit import FitLoop, fit
-from loops.loggers import MemoryLogger
+from purestep import engine
+from purestep.engine import optim
+from purestep.engine.tree import assert_trees_equal
+from purestep.loops import log, schedule, testing
+from purestep.loops.callbacks import Callback, LambdaCallback, Timer
+from purestep.loops.config import LoopConfig
+from purestep.loops.data import source
+from purestep.loops.driver import Driver
+from purestep.loops.events import EVENTS, FIT_EVENTS, Requests
+from purestep.loops.fit import FitLoop, fit
+from purestep.loops.loggers import MemoryLogger
 
 # --------------------------------------------------------------------------- helpers
 
@@ -680,7 +680,7 @@ def test_resuming_after_a_stop_request_matches(stop_index):
 
 
 def test_a_driver_and_a_different_config_are_refused():
-    from loops import Driver, LoopConfig, fit
+    from purestep.loops import Driver, LoopConfig, fit
 
     driver = Driver(fn="fit", config=LoopConfig.create(max_epochs=1))
     model = torch.nn.Linear(4, 2)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from loops.loggers import (
+from purestep.loops.loggers import (
     STATUSES,
     CSVLogger,
     Logger,
@@ -35,7 +35,7 @@ from loops.loggers import (
     next_version,
     run_dir,
 )
-from loops.loggers.hparams_yaml import to_plain
+from purestep.loops.loggers.hparams_yaml import to_plain
 
 MEMORY = fsspec.filesystem("memory")
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loops import schedule, testing
-from loops.config import LoopConfig
+from purestep.loops import schedule, testing
+from purestep.loops.config import LoopConfig
 
 # --- the README example (also in the loops.testing docstring) ---------------------------
 

@@ -18,10 +18,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import metrics as M
-from engine import tree
-from engine.metrics import Accuracy, Last, Max, Mean, Metric, Min, Sum
-from engine.tree import struct
+from purestep.engine import metrics as M
+from purestep.engine import tree
+from purestep.engine.metrics import Accuracy, Last, Max, Mean, Metric, Min, Sum
+from purestep.engine.tree import struct
 
 F32, F64 = torch.float32, torch.float64
 CLASSES = [Mean, Sum, Max, Min, Last, Accuracy]

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import optim
-from engine.optim import schedules
-from engine.tree import assert_trees_close, assert_trees_equal
+from purestep.engine import optim
+from purestep.engine.optim import schedules
+from purestep.engine.tree import assert_trees_close, assert_trees_equal
 
 SHAPES = {"fc1.weight": (6, 5), "fc1.bias": (6,), "fc2.weight": (3, 6), "fc2.bias": (3,), "t": ()}
 STEPS = 100

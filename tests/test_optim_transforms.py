@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine import optim, tree
-from engine.optim import schedules
-from engine.tree import assert_trees_close, assert_trees_equal
+from purestep.engine import optim, tree
+from purestep.engine.optim import schedules
+from purestep.engine.tree import assert_trees_close, assert_trees_equal
 
 SHAPES = {"enc.weight": (4, 3), "enc.bias": (4,), "head.weight": (2, 4), "scale": ()}
 

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-from engine import metrics, optim, per_sample, rng, tree
+from purestep import engine
+from purestep.engine import metrics, optim, per_sample, rng, tree
 
 
 def dp_step(net, opt=None, **kwargs):
@@ -190,7 +190,7 @@ def test_bad_arguments(kwargs, match):
 
 
 def test_loss_scaling_precision_is_refused():
-    import hardware
+    from purestep import hardware
 
     strategy = hardware.single_device("cpu", precision="16-mixed")
     with pytest.raises(ValueError, match="scales the loss"):

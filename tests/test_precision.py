@@ -2,9 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine
-import hardware
-from engine import optim, tree
+from purestep import engine, hardware
+from purestep.engine import optim, tree
 from tests.helpers import batches, loss_fn, mlp
 
 

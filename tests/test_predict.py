@@ -6,15 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-import engine
-from engine import optim
-from loops.callbacks import LambdaCallback
-from loops.config import LoopConfig
-from loops.data import source
-from loops.driver import Driver
-from loops.events import EVENTS, PREDICT_EVENTS, Requests
-from loops.loggers import MemoryLogger
-from loops.predict import predict, run_prediction
+from purestep import engine
+from purestep.engine import optim
+from purestep.loops.callbacks import LambdaCallback
+from purestep.loops.config import LoopConfig
+from purestep.loops.data import source
+from purestep.loops.driver import Driver
+from purestep.loops.events import EVENTS, PREDICT_EVENTS, Requests
+from purestep.loops.loggers import MemoryLogger
+from purestep.loops.predict import predict, run_prediction
 
 
 def pieces(fn=None):

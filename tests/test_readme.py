@@ -26,7 +26,7 @@ def test_the_tour_and_the_checkpoint_snippet_run(capsys):
     exec(_block("import torch, torch.nn as nn"), namespace)
     exec(_block("from torch.utils.data import DataLoader"), namespace)
     assert namespace["state"].progress.epoch == 3
-    exec(_block("from engine import checkpoint"), namespace)
+    exec(_block("from purestep import checkpoint"), namespace)
     assert namespace["latest"].endswith(".ckpt")
     assert namespace["meta"]["note"] == "x" and namespace["state"].progress.step == 1
     assert os.path.exists("runs/b.ckpt")
@@ -36,13 +36,13 @@ def test_the_tour_and_the_checkpoint_snippet_run(capsys):
 def test_the_callback_example_stops_after_its_patience():
     import torch
 
-    import engine
-    from engine import optim
-    from loops.callbacks import init_states
-    from loops.events import Context, dispatch
+    from purestep import engine
+    from purestep.engine import optim
+    from purestep.loops.callbacks import init_states
+    from purestep.loops.events import Context, dispatch
 
     namespace: dict = {}
-    exec(_block("from loops.callbacks import Callback"), namespace)
+    exec(_block("from purestep.loops.callbacks import Callback"), namespace)
     cb = namespace["StopOnPlateau"](patience=2)
     state = init_states([cb], engine.init(torch.nn.Linear(2, 1), optim.sgd(0.1)))
     stops = []

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import rng
+from purestep.engine import rng
 
 
 def _compute(entry):

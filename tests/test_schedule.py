@@ -8,9 +8,9 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from loops import schedule, testing
-from loops.config import LoopConfig
-from loops.testing import simulate_fit
+from purestep.loops import schedule, testing
+from purestep.loops.config import LoopConfig
+from purestep.loops.testing import simulate_fit
 
 C = LoopConfig.create
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.optim import schedules
+from purestep.engine.optim import schedules
 
 BASE = 0.1
 

@@ -3,9 +3,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-import engine
-from engine import optim, tree
-from engine.bind import Binder
+from purestep import engine
+from purestep.engine import optim, tree
+from purestep.engine.bind import Binder
 from tests.helpers import loss_fn, mlp
 
 
@@ -38,7 +38,7 @@ def test_train_state_is_an_immutable_pytree():
 
 
 def test_init_applies_the_strategy_precision():
-    import hardware
+    from purestep import hardware
 
     state = engine.init(mlp(), optim.sgd(0.1), strategy=hardware.single_device("cpu", "64-true"))
     assert {p.dtype for p in state.params.values()} == {torch.float64}

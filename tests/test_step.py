@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-from engine import optim, tree
+from purestep import engine
+from purestep.engine import optim, tree
 from tests.helpers import batches, clone_tree, digest, loss_fn, mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +68,8 @@ import sys
 sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads(1)
-import engine
-from engine import optim
+from purestep import engine
+from purestep.engine import optim
 from tests.helpers import batches, digest, loss_fn, mlp
 net = mlp(dropout=0.5, batchnorm=True)
 opt = optim.adam(1e-2)

@@ -14,10 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-import engine
-import hardware
-from engine import optim, tree
-from engine.step import owned_gradients
+from purestep import engine, hardware
+from purestep.engine import optim, tree
+from purestep.engine.step import owned_gradients
 from tests.helpers import batches, clone_tree, loss_fn
 
 # --------------------------------------------------------------------------- aliasing gradients
@@ -507,7 +506,7 @@ def test_the_step_api_is_exported():
 
 
 def test_scalar_gradients_equal_the_public_api_bitwise():
-    from engine.step import scalar_gradients
+    from purestep.engine.step import scalar_gradients
 
     torch.manual_seed(0)
     w = torch.randn(5, 3, requires_grad=True)

@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine
-import hardware
-from engine import optim, tree
-from loops import data
+from purestep import engine, hardware
+from purestep.engine import optim, tree
+from purestep.loops import data
 from tests.helpers import loss_fn, mlp
 
 pytestmark = pytest.mark.timeout(180)
@@ -97,8 +96,8 @@ def test_an_ensemble_runs_the_same_code_and_each_member_matches_a_single_run():
 def test_the_trainer_runs_an_ensemble_and_logs_every_member():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from loops import Trainer
-    from loops.loggers import MemoryLogger
+    from purestep.loops import Trainer
+    from purestep.loops.loggers import MemoryLogger
 
     logger = MemoryLogger()
     trainer = Trainer(

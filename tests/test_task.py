@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine
-from engine import optim
-from loops.callbacks import init_states
-from loops.events import NOTHING, Context, Requests, dispatch
-from loops.task import DataModule, Task, task_callback
+from purestep import engine
+from purestep.engine import optim
+from purestep.loops.callbacks import init_states
+from purestep.loops.events import NOTHING, Context, Requests, dispatch
+from purestep.loops.task import DataModule, Task, task_callback
 
 
 def loss_fn(apply, batch):
@@ -89,7 +89,7 @@ def test_task_callback_handles_only_the_events_the_task_defines():
     assert dispatch("on_train_epoch_end", [cb], state, ctx) == (state, NOTHING)
     plain = task_callback(Minimal(net))
     assert plain.init() == {}
-    from loops.events import handles as _overrides
+    from purestep.loops.events import handles as _overrides
 
     assert not any(_overrides(plain, e) for e in ("setup", "teardown", "on_train_start"))
 

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import engine
-from engine import metrics, optim
-from engine.state import TrainState
-from engine.tree import assert_trees_equal, trees_equal
-from loops import DataModule, Task, Trainer, log
-from loops.callbacks import Callback, EarlyStopping, LambdaCallback, Timer
-from loops.events import EVENTS, NOTHING, Requests
-from loops.loggers import MemoryLogger
+from purestep import engine
+from purestep.engine import metrics, optim
+from purestep.engine.state import TrainState
+from purestep.engine.tree import assert_trees_equal, trees_equal
+from purestep.loops import DataModule, Task, Trainer, log
+from purestep.loops.callbacks import Callback, EarlyStopping, LambdaCallback, Timer
+from purestep.loops.events import EVENTS, NOTHING, Requests
+from purestep.loops.loggers import MemoryLogger
 
 # --------------------------------------------------------------------------- helpers
 
@@ -766,7 +766,7 @@ def test_unknown_and_bad_flags_give_clear_errors():
     with pytest.raises(ValueError, match="several devices"):
         Trainer(devices=2, accelerator="cpu")
     with pytest.raises(ValueError, match="conflicts"):
-        import hardware
+        from purestep import hardware
 
         Trainer(strategy=hardware.single_device("cpu", "32-true"), precision="64-true")
 
@@ -820,13 +820,14 @@ def test_import_loops_is_light_and_every_module_imports_first_without_cycles():
     code = """
 import importlib, pkgutil, sys
 import torch  # shared: only our modules are re-imported below
-import loops
-assert "hypothesis" not in sys.modules, "import loops pulled in hypothesis"
-names = [m.name for m in pkgutil.walk_packages(loops.__path__, "loops.")]
-names = [n for n in names if n != "loops.testing"]
-assert "loops.callbacks.base" in names and "loops.data.source" in names
+import purestep
+assert "hypothesis" not in sys.modules, "import purestep pulled in hypothesis"
+names = [m.name for m in pkgutil.walk_packages(purestep.__path__, "purestep.")]
+names = [n for n in names if n != "purestep.loops.testing"]
+assert "purestep.loops.callbacks.base" in names and "purestep.engine.step" in names
+assert "purestep.hardware.ddp" in names
 for name in names:
-    for loaded in [m for m in sys.modules if m == "loops" or m.startswith("loops.")]:
+    for loaded in [m for m in sys.modules if m == "purestep" or m.startswith("purestep.")]:
         del sys.modules[loaded]
     importlib.import_module(name)
 print(len(names))
@@ -839,7 +840,7 @@ print(len(names))
 
 
 def test_mid_epoch_validation_checkpoints_at_every_validation_end(tmp_path):
-    from loops.callbacks import ModelCheckpoint
+    from purestep.loops.callbacks import ModelCheckpoint
 
     cb = ModelCheckpoint(save_top_k=-1)
     t = trainer(max_epochs=1, val_check_interval=0.5, callbacks=[cb], default_root_dir=tmp_path)

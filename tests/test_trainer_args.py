@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from loops import Trainer
-from loops.trainer_args import ENV_PREFIX, check_flag_names, flag_names, parse_value
+from purestep.loops import Trainer
+from purestep.loops.trainer_args import ENV_PREFIX, check_flag_names, flag_names, parse_value
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import engine
-from engine import checkpoint, optim, tree
-from loops import Trainer
-from loops.callbacks import ModelCheckpoint
-from loops.loggers import CSVLogger
-from loops.resume import Checkpointing
+from purestep import engine
+from purestep.engine import checkpoint, optim, tree
+from purestep.loops import Trainer
+from purestep.loops.callbacks import ModelCheckpoint
+from purestep.loops.loggers import CSVLogger
+from purestep.loops.resume import Checkpointing
 from tests.helpers import mlp
 
 
@@ -277,8 +277,8 @@ def test_last_skips_weights_only_files_and_finds_named_versions(tmp_path):
 def test_preemption_writes_into_this_runs_folder(tmp_path):
     import signal
 
-    from loops.callbacks import LambdaCallback
-    from loops.resume import Preempted
+    from purestep.loops.callbacks import LambdaCallback
+    from purestep.loops.resume import Preempted
 
     root = str(tmp_path)
     for old in ("version_0", "version_2", "version_10"):

@@ -4,8 +4,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import tree
-from engine.tree import field, struct
+from purestep.engine import tree
+from purestep.engine.tree import field, struct
 
 
 @struct

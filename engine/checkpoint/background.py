@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine import tree
+from purestep.engine import tree
 
 from .files import serialize, write_payload
 

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
-from engine.tree import STRUCTS
+from purestep.engine.tree import STRUCTS
 
 __all__ = ["CheckpointError", "decode", "encode"]
 
 _KIND = "__kind__"
-_OWN_PACKAGES = ("engine", "loops", "hardware")
+_OWN_PACKAGE = "purestep"
+# Checkpoints written before the package was named purestep name its modules without the prefix.
+_LEGACY_PACKAGES = ("engine", "loops", "hardware")
 
 
 class CheckpointError(Exception):
@@ -82,10 +84,12 @@ def _key(key: Any, path: str) -> Any:
 
 
 def _struct_class(name: str) -> type:
+    if name.split(".")[0].split(":")[0] in _LEGACY_PACKAGES:
+        name = f"{_OWN_PACKAGE}.{name}"
     cls = STRUCTS.get(name)
     if cls is None:
         module = name.partition(":")[0]
-        if module.split(".")[0] in _OWN_PACKAGES:
+        if module.split(".")[0] == _OWN_PACKAGE:
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
             cls = STRUCTS.get(name)

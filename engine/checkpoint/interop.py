@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.bind import canonical_names
-from engine.state import TrainState
+from purestep.engine.bind import canonical_names
+from purestep.engine.state import TrainState
 
 from .codec import CheckpointError
 from .safe_load import torch_load

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from engine import tree
-from engine.state import TrainState
+from purestep.engine import tree
+from purestep.engine.state import TrainState
 
 from .codec import CheckpointError
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.tree import device_dtype_groups
+from purestep.engine.tree import device_dtype_groups
 
 Tensor = torch.Tensor
 Schedule = Callable[[int], float]

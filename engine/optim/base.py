@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.tree import struct
+from purestep.engine.tree import struct
 
 from ._util import take
 

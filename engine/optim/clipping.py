@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.tree import global_norm
+from purestep.engine.tree import global_norm
 
 from . import _util
 from .base import EmptyState, GradientTransformation, Params, Updates, owns_updates

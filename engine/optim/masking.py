@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.tree import struct
+from purestep.engine.tree import struct
 
 from .base import GradientTransformation, Params, Updates, apply_updates, step
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.tree import struct
+from purestep.engine.tree import struct
 
 from . import _util
 from .base import GradientTransformation, Params, Updates, is_donating, owns_updates

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.tree import struct
+from purestep.engine.tree import struct
 
 from . import _util
 from .base import EmptyState, GradientTransformation, Params, Updates, owns_updates

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.state import TrainState
+from purestep.engine.state import TrainState
 
 from ..events import NOTHING, Context, Requests
 

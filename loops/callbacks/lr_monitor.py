@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.optim import InjectHyperparamsState, PartitionState
+from purestep.engine.optim import InjectHyperparamsState, PartitionState
 
 from .. import schedule
 from ..config import default_config

@@ -23,7 +23,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-from engine import rng
+from purestep.engine import rng
 
 __all__ = [
     "KeyedDataset",

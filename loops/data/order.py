@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from engine import rng
+from purestep.engine import rng
 
 __all__ = [
     "batches_per_rank",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from engine import rng
+from purestep.engine import rng
 
 from .options import Options
 
