@@ -569,3 +569,30 @@ def test_load_weights_walks_the_model_a_fixed_number_of_times():
         ck.load_weights(state, net.state_dict(), net)
         counts.append(_CountingNet.calls)
     assert counts[0] == counts[1] <= 2
+
+
+def test_struct_names_written_before_the_purestep_namespace_still_load(tmp_path):
+    """Files from before the rename name classes ``engine.state:TrainState``; they load as
+    the ``purestep.`` classes, and a name outside our packages is still refused."""
+    from purestep.engine.checkpoint import codec
+
+    state = engine.init(mlp(), optim.adam(1e-3), seed=0)
+    encoded = codec.encode(state)
+
+    def legacy(node):
+        if isinstance(node, dict):
+            out = {k: legacy(v) for k, v in node.items()}
+            if out.get("__kind__") == "struct":
+                assert out["type"].startswith("purestep.")
+                out["type"] = out["type"].removeprefix("purestep.")
+            return out
+        if isinstance(node, list):
+            return [legacy(v) for v in node]
+        return node
+
+    old = legacy(encoded)
+    assert old["type"] == "engine.state:TrainState"
+    tree.assert_trees_equal(codec.decode(old), state)
+    old["type"] = "os:system"
+    with pytest.raises(ck.CheckpointError, match="no such @struct class"):
+        codec.decode(old)
