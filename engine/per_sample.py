@@ -36,7 +36,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from . import metrics as metrics_lib
-from . import optim, rng
+from . import optim, rng, user_errors
 from .state import TrainState
 from .step import (
     Gradients,
@@ -164,6 +164,8 @@ def _check_real(name: str, value: Any, *, positive: bool) -> float:
 class PerSampleStep(TrainStep):
     """A DP-SGD train step (see the module doc); ``per_sample_grads`` exposes step 1."""
 
+    _stage = "per_sample_step"  # the first call's unused-parameter check: the whole batch
+
     def __init__(
         self,
         model: nn.Module,
@@ -235,6 +237,7 @@ class PerSampleStep(TrainStep):
         frozen = {n: params[n] for n in self._frozen}
         wrt = self._trainable(params)
         binder, loss_fn, precision = self.binder, self.loss_fn, strategy.precision
+        stage = "per_sample_step (one example, under vmap)"
         split: list[Any] = [None, None, None]  # spec, tensor mask, non-tensor leaves
 
         def objective(wrt: dict, example: Any) -> tuple:
@@ -242,7 +245,12 @@ class PerSampleStep(TrainStep):
                 lambda x: x.unsqueeze(0) if isinstance(x, Tensor) else x, example
             )
             with binder.bind({**frozen, **wrt}, buffers, True) as apply, precision.autocast():
-                loss, metrics = split_output(loss_fn(apply, one), "loss_fn")
+                try:
+                    out = loss_fn(apply, one)
+                except Exception as exc:
+                    user_errors.annotate(exc, loss_fn, stage, one)
+                    raise
+                loss, metrics = split_output(out, "loss_fn")
             flat, split[0] = optree.tree_flatten(metrics, namespace=NAMESPACE)
             split[1] = [isinstance(x, Tensor) for x in flat]
             split[2] = [x for x in flat if not isinstance(x, Tensor)]

@@ -11,7 +11,10 @@ key, the optimizer step, the micro-batch and the rank, so a step is a pure funct
 The loss function has the signature ``loss_fn(apply, batch)``; ``apply`` is the module,
 bound to the state's tensors for the duration of the call (call it, or its submodules, like
 the ``nn.Module`` it is; do not keep it beyond the call). It returns a scalar loss, a
-``(loss, metrics)`` pair, or a dict with a ``"loss"`` key and metrics.
+``(loss, metrics)`` pair, or a dict with a ``"loss"`` key and metrics. An exception it
+raises propagates unchanged but for one note naming the function, the step and the batch's
+structure; a Lightning-style ``(batch, batch_idx)`` signature is refused when the step is
+built (``user_errors``). The eval and predict functions are treated the same way.
 
 **Purity checks.** A forward pass must not modify the state's parameters in place (weight
 clipping with ``w.clamp_()`` under ``no_grad``, say): every step compares the parameters'
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import optim, rng
+from . import optim, rng, user_errors
 from .bind import Binder, canonical_names
 from .state import Progress, TrainState, trainable_names
 from .strategy import Local, Strategy
@@ -405,6 +408,8 @@ class TrainStep:
     """
 
     _output_type: type[StepOutput] = StepOutput
+    #: The step's name in the note added to an exception the loss function raises.
+    _stage = "train_step"
     #: Whether ``owned_gradients`` also makes the gradients row-major.
     _contiguous_grads = False
 
@@ -425,6 +430,7 @@ class TrainStep:
             raise ValueError(f"grad must be 'autograd' or 'func', got {grad!r}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        user_errors.check_signature(loss_fn, "loss_fn")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 "optimizer must be a GradientTransformation (engine.optim), "
@@ -730,7 +736,12 @@ class TrainStep:
             _NO_CONTEXT if torch.is_grad_enabled() else torch.enable_grad(),
             self.strategy.precision.autocast(),
         ):
-            loss, metrics = split_output(self.loss_fn(apply, batch), "loss_fn")
+            try:
+                out = self.loss_fn(apply, batch)
+            except Exception as exc:
+                user_errors.annotate(exc, self.loss_fn, self._stage, batch)
+                raise
+            loss, metrics = split_output(out, "loss_fn")
             new_buffers = self.binder.collect_buffers() if buffers else buffers
         target = loss_for_grad(loss, loss_scale, divisor)
         grads = scalar_gradients(target, tuple(wrt.values()))
@@ -740,11 +751,17 @@ class TrainStep:
         frozen = {n: params[n] for n in self._frozen}
         wrt = self._trainable(params)
         binder, loss_fn, precision = self.binder, self.loss_fn, self.strategy.precision
+        stage = self._stage
 
         def objective(trainable, buffers):
             with binder.bind({**frozen, **trainable}, buffers, True) as apply:
                 with precision.autocast():
-                    loss, metrics = split_output(loss_fn(apply, batch), "loss_fn")
+                    try:
+                        out = loss_fn(apply, batch)
+                    except Exception as exc:
+                        user_errors.annotate(exc, loss_fn, stage, batch)
+                        raise
+                    loss, metrics = split_output(out, "loss_fn")
                 new_buffers = binder.collect_buffers() if buffers else buffers
             return loss_for_grad(loss, loss_scale, divisor), (loss, metrics, new_buffers)
 
@@ -825,6 +842,9 @@ class NoGradStep:
     and the check that the forward pass left the state's parameters and buffers alone."""
 
     purpose = rng.Purpose.EVAL
+    #: The step's name in the signature check and in the note added to an exception ``fn``
+    #: raises.
+    _stage = "eval_step"
 
     def __init__(
         self,
@@ -834,6 +854,7 @@ class NoGradStep:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        user_errors.check_signature(fn, f"{self._stage.split()[0]} fn")
         self.model = model
         self.fn = fn
         self.strategy = strategy if strategy is not None else Local()
@@ -850,7 +871,11 @@ class NoGradStep:
     def _forward(self, params: dict, buffers: dict, batch: Any) -> Any:
         """``fn`` on the template bound to ``params`` and ``buffers`` in eval mode."""
         with self.binder.bind(params, buffers, False) as apply, self.strategy.precision.autocast():
-            return self.fn(apply, batch)
+            try:
+                return self.fn(apply, batch)
+            except Exception as exc:
+                user_errors.annotate(exc, self.fn, self._stage, batch)
+                raise
 
     def _run(self, state: TrainState, batch: Any, index: int) -> Any:
         if not self._checked:
@@ -886,6 +911,7 @@ class PredictStep(NoGradStep):
     """``step(state, batch, index=0) -> whatever fn returns`` (tensors detached)."""
 
     purpose = rng.Purpose.PREDICT
+    _stage = "predict_step"
 
     def __call__(self, state: TrainState, batch: Any, *, index: int = 0) -> Any:
         return map(_detach, self._run(state, batch, index))

@@ -66,7 +66,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from purestep.engine import optim, rng
+from purestep.engine import optim, rng, user_errors
 from purestep.engine.bind import Binder
 from purestep.engine.state import Progress, TrainState, materialize, trainable_names
 from purestep.engine.step import (
@@ -326,6 +326,7 @@ class EnsembleTrainStep(TrainStep):
     """
 
     _output_type = EnsembleStepOutput
+    _stage = "train_step (ensemble, vmapped over members)"
     # Batched matmuls hand back weight gradients as transposed views; one copy makes the
     # per-member norms (which need each member's elements in order, as a separate run has
     # them) and every elementwise optimizer op run on contiguous memory: measured on the
@@ -386,11 +387,17 @@ class EnsembleTrainStep(TrainStep):
 
     def _member_forward(self, aux: _Aux) -> Callable[..., tuple]:
         binder, loss_fn, precision = self.binder, self.loss_fn, self.ensemble.precision
+        stage = self._stage
 
         def forward(params: dict, buffers: dict, batch: Any) -> tuple:
             with binder.bind(params, buffers, True) as apply:
                 with precision.autocast():
-                    loss, metrics = split_output(loss_fn(apply, batch), "loss_fn")
+                    try:
+                        out = loss_fn(apply, batch)
+                    except Exception as exc:
+                        user_errors.annotate(exc, loss_fn, stage, batch)
+                        raise
+                    loss, metrics = split_output(out, "loss_fn")
                 new_buffers = binder.collect_buffers() if buffers else buffers
             return loss, aux.flatten(metrics), new_buffers
 
@@ -482,11 +489,17 @@ class _EnsembleNoGrad(NoGradStep):
         if ens.per_member_batch:
             ens.batch_size(batch)
         binder, fn, finish, precision = self.binder, self.fn, self._finish, ens.precision
+        stage = self._stage
         aux = _Aux()
 
         def run(params: dict, buffers: dict, batch: Any) -> list[Tensor]:
             with binder.bind(params, buffers, False) as apply, precision.autocast():
-                return aux.flatten(finish(fn(apply, batch)))
+                try:
+                    out = fn(apply, batch)
+                except Exception as exc:
+                    user_errors.annotate(exc, fn, stage, batch)
+                    raise
+                return aux.flatten(finish(out))
 
         tensors = torch.func.vmap(run, in_dims=(0, 0, ens.batch_dim), randomness="different")(
             params, buffers, batch
@@ -498,6 +511,7 @@ class EnsembleEvalStep(_EnsembleNoGrad):
     """``step(state, batch, index=0) -> dict`` of per-member metrics (``"loss"``: ``[K]``)."""
 
     purpose = rng.Purpose.EVAL
+    _stage = "eval_step (ensemble, vmapped over members)"
 
     def _finish(self, out: Any) -> Any:
         if isinstance(out, dict) and "loss" not in out:
@@ -513,6 +527,7 @@ class EnsemblePredictStep(_EnsembleNoGrad):
     """``step(state, batch, index=0) -> fn's output`` with a leading member axis."""
 
     purpose = rng.Purpose.PREDICT
+    _stage = "predict_step (ensemble, vmapped over members)"
 
     def __call__(self, state: TrainState, batch: Any, *, index: int = 0) -> Any:
         return self._run(state, batch, index)

@@ -23,12 +23,17 @@ from typing import Any
 
 from torch import nn
 
+from purestep.engine import user_errors
+
 from .callbacks.base import Callback
 from .events import EVENTS
 
 __all__ = ["DataModule", "Task", "task_callback"]
 
 StepFn = Callable[[nn.Module, Any], Any]
+
+#: The step methods a Task defines, checked against Lightning's signature.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def default_predict(apply: nn.Module, batch: Any) -> Any:
@@ -46,7 +51,21 @@ class Task:
     ``configure_optimizers`` (an ``engine.optim`` transform), ``configure_model`` (the
     template, if not given to ``__init__``), ``setup`` / ``teardown``. ``hparams`` are logged
     as hyper-parameters at fit start.
+
+    The step methods take ``(self, apply, batch)``; a subclass that defines one Lightning's
+    way, ``(self, batch, batch_idx)``, is refused with a ``TypeError`` when it is defined.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in STEP_METHODS:
+            attr = cls.__dict__.get(name)
+            if isinstance(attr, staticmethod):
+                user_errors.check_signature(attr.__func__, name)
+            elif isinstance(attr, classmethod):
+                user_errors.check_signature(attr.__func__, name, method=True)
+            elif callable(attr):
+                user_errors.check_signature(attr, name, method=True)
 
     def __init__(self, model: nn.Module | None = None, hparams: dict[str, Any] | None = None):
         self.model = model
@@ -117,6 +136,14 @@ class Task:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (apply, batch) -> loss, got {loss_fn!r}")
+        for what, fn in (
+            ("loss_fn", loss_fn),
+            ("val_fn", val_fn),
+            ("test_fn", test_fn),
+            ("predict_fn", predict_fn),
+        ):
+            if fn is not None:
+                user_errors.check_signature(fn, what)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 "optimizer must be an engine.optim transform (e.g. optim.adamw(1e-3)), "
@@ -126,31 +153,22 @@ class Task:
 
 
 class _FunctionTask(Task):
+    """The step methods are the user's functions themselves (instance attributes), so the
+    steps call them directly and an error's note names them, not a wrapper."""
+
     def __init__(self, model, loss_fn, optimizer, val_fn, test_fn, predict_fn, hparams):
         super().__init__(model, hparams)
-        self._loss_fn = loss_fn
         self._optimizer = optimizer
-        self._val_fn = val_fn or loss_fn
-        self._test_fn = test_fn or self._val_fn
-        self._predict_fn = predict_fn or default_predict
+        self.training_step = loss_fn
+        self.validation_step = val_fn or loss_fn
+        self.test_step = test_fn or self.validation_step
+        self.predict_step = predict_fn or default_predict
 
     def has(self, method: str) -> bool:
         return True
 
     def configure_optimizers(self):
         return self._optimizer
-
-    def training_step(self, apply, batch):
-        return self._loss_fn(apply, batch)
-
-    def validation_step(self, apply, batch):
-        return self._val_fn(apply, batch)
-
-    def test_step(self, apply, batch):
-        return self._test_fn(apply, batch)
-
-    def predict_step(self, apply, batch):
-        return self._predict_fn(apply, batch)
 
 
 def task_callback(task: Task) -> Callback:
