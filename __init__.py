@@ -24,6 +24,7 @@ from .engine import (
     optim,
     predict_step,
     rng,
+    to_module,
     train_step,
 )
 from .loops import DataModule, Task, Trainer, callbacks, data, loggers
@@ -52,5 +53,6 @@ __all__ = [
     "optim",
     "predict_step",
     "rng",
+    "to_module",
     "train_step",
 ]

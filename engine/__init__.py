@@ -2,6 +2,7 @@
 
 from . import checkpoint, metrics, optim, per_sample, rng, tree
 from .bind import Binder, canonical_names
+from .export import to_module
 from .loss_scale import DynamicLossScale, LossScaleState
 from .per_sample import PerSampleStep, per_sample_step
 from .state import Progress, TrainState, init, materialize, trainable_names
@@ -50,6 +51,7 @@ __all__ = [
     "predict_step",
     "rng",
     "struct",
+    "to_module",
     "train_step",
     "trainable_names",
     "tree",

@@ -2,6 +2,9 @@
 
 Returns, per dataset, the list of per-batch predictions (tensors detached, on the CPU when
 ``to_cpu``), with the ``on_predict_*`` events in Lightning's order. Nothing is logged.
+Without a ``predict_step`` the prediction is the module on the batch's inputs
+(``module(batch[0])`` for tuple and list batches, else ``module(batch)``); a batch that
+does not fit that (a dict, several inputs) gets an error saying to define ``predict_step``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,48 @@ def _cpu(x: Any) -> Any:
     import torch
 
     return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _default_kind(fn: Any) -> str | None:
+    """Which default ``fn`` (a predict step's function) is, if it is not a user's
+    ``predict_step``: ``"batch"`` for ``engine.predict_step``'s ``apply(batch)``,
+    ``"inputs"`` for ``task.default_predict`` (what a Task without ``predict_step``, a
+    ``fit(model, loss_fn, ...)`` task and a module without ``fn=`` use); else None."""
+    from purestep.engine.step import _default_predict
+
+    from .task import Task, default_predict
+
+    if fn is _default_predict:
+        return "batch"
+    if fn is default_predict:
+        return "inputs"
+    owner, func = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
+    if not isinstance(owner, Task) or getattr(func, "__name__", None) != "predict_step":
+        return None
+    if func is Task.predict_step:  # a Task that does not define predict_step
+        return "inputs"
+    if getattr(owner, "_predict_fn", None) is default_predict:  # a Task.wrap that delegates
+        return "inputs"
+    return None
+
+
+def _predict(step: Any, state: TrainState, batch: Any, index: int) -> Any:
+    """``step(state, batch)``; a TypeError from a default prediction gets an explanation."""
+    try:
+        return step(state, batch, index=index)
+    except TypeError as error:
+        kind = _default_kind(getattr(step, "fn", None))
+        if kind is None:
+            raise
+        ran = "module(batch)"
+        if kind == "inputs" and isinstance(batch, (tuple, list)) and batch:
+            ran = "module(batch[0])"
+        raise TypeError(
+            f"predict: no predict_step is defined, so the default prediction ran {ran} on a "
+            f"{type(batch).__name__} batch, and that failed: {error}. Define "
+            "predict_step(apply, batch) on the Task, or pass fn=(apply, batch) -> prediction "
+            "(to Trainer.predict or engine.predict_step)"
+        ) from error
 
 
 def run_prediction(
@@ -62,7 +107,7 @@ def run_prediction(
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
                 state = driver.fire("on_predict_batch_start", state, num_batches=limit, **fields)
-                out = step(state, batch, index=batch_idx)
+                out = _predict(step, state, batch, batch_idx)
                 if to_cpu:
                     out = tree_map(_cpu, out)
                 if keep:

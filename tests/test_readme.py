@@ -1,59 +1,285 @@
-"""The README's code runs: the tour, the checkpoint snippet, the callback and the
-property-test example (executed in order, in a temporary folder, as a reader would)."""
+"""The README's code runs as written, and does what the README says.
+
+Every ```python block of README.md is executed by a test here (in README order where the
+blocks build on each other, in a temporary folder, as a reader would), inside a real
+``Trainer`` where it is meant for one. Each test declares the blocks it runs with
+``@runs(<first line>, ...)`` and must run exactly those; the last test fails when a README
+block is declared by no test.
+"""
 
 from __future__ import annotations
 
+import functools
+import glob
 import os
 import re
+import textwrap
+
+import pytest
+import torch
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+_DECLARED: dict[str, str] = {}  # first-line prefix -> the test that runs the block
+_RAN: list[str] = []  # prefixes run by the current test
 
 
 def _python_blocks() -> list[str]:
     with open(README, encoding="utf-8") as f:
         text = f.read()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(
+        r"^[ \t]*```(?:python|py|python3)[ \t]*\n(.*?)^[ \t]*```", text, re.S | re.M
+    )
+    return [textwrap.dedent(b) for b in blocks]
 
 
-def _block(startswith: str) -> str:
-    matches = [b for b in _python_blocks() if b.lstrip().startswith(startswith)]
-    assert len(matches) == 1, f"expected one README block starting with {startswith!r}"
-    return matches[0]
+def _first_line(block: str) -> str:
+    return block.strip().splitlines()[0].strip()
 
 
-def test_the_tour_and_the_checkpoint_snippet_run(capsys):
-    namespace: dict = {}
-    exec(_block("import torch, torch.nn as nn"), namespace)
-    exec(_block("from torch.utils.data import DataLoader"), namespace)
-    assert namespace["state"].progress.epoch == 3
-    exec(_block("from purestep import checkpoint"), namespace)
-    assert namespace["latest"].endswith(".ckpt")
-    assert namespace["meta"]["note"] == "x" and namespace["state"].progress.step == 1
+def _matching(prefix: str) -> list[str]:
+    return [b for b in _python_blocks() if _first_line(b).startswith(prefix)]
+
+
+def runs(*prefixes: str):
+    """Declare the README blocks (by the start of their first line) a test executes."""
+
+    def decorate(test):
+        for prefix in prefixes:
+            assert prefix not in _DECLARED, f"{prefix!r} is declared twice"
+            _DECLARED[prefix] = test.__name__
+
+        @functools.wraps(test)
+        def wrapper(*args, **kwargs):
+            _RAN.clear()
+            result = test(*args, **kwargs)
+            assert list(prefixes) == _RAN, f"{test.__name__} ran {_RAN}, declared {prefixes}"
+            return result
+
+        return wrapper
+
+    return decorate
+
+
+def _run(prefix: str, namespace: dict) -> None:
+    """Execute the one README block whose first line starts with ``prefix``."""
+    matches = _matching(prefix)
+    assert len(matches) == 1, f"expected one README block starting with {prefix!r}"
+    _RAN.append(prefix)
+    exec(compile(matches[0], f"README.md block {prefix!r}", "exec"), namespace)
+
+
+TOUR = "import torch, torch.nn as nn, torch.nn.functional as F"
+TOUR_TRAINER = "from torch.utils.data import DataLoader, TensorDataset"
+STEPS = "step = engine.train_step(net, loss_fn, opt,"
+PRECISION = "from purestep import hardware"
+CHECKPOINT = "from purestep import checkpoint"
+PROPERTY_TEST = "from hypothesis import given"
+CALLBACK = "from purestep.loops.callbacks import Callback"
+
+
+def _readme_order(prefixes: list[str]) -> list[str]:
+    firsts = [_first_line(b) for b in _python_blocks()]
+    return sorted(prefixes, key=lambda p: next(i for i, f in enumerate(firsts) if f.startswith(p)))
+
+
+@runs(TOUR, TOUR_TRAINER, STEPS, PRECISION, CHECKPOINT)
+def test_the_tour_steps_precision_and_checkpoint_blocks_run_in_order(capsys):
+    from purestep import engine
+
+    order = [TOUR, TOUR_TRAINER, STEPS, PRECISION, CHECKPOINT]
+    assert _readme_order(order) == order  # each builds on the ones before
+    ns: dict = {}
+    _run(TOUR, ns)
+    net = ns["net"]
+    template = {k: v.clone() for k, v in net.state_dict().items()}
+
+    _run(TOUR_TRAINER, ns)
+    state, trainer = ns["state"], ns["trainer"]
+    assert state.progress.epoch == 3 and state.progress.step == 24
+    assert "test_loss" in capsys.readouterr().out + str(trainer.callback_metrics)
+    # the default checkpoint name is Lightning's, as the ModelCheckpoint paragraph says
+    names = [os.path.basename(p) for p in glob.glob("runs/tour/**/*.ckpt", recursive=True)]
+    assert names == ["epoch=2-step=24.ckpt"], names
+    assert trainer.best_model_path.endswith("/checkpoints/epoch=2-step=24.ckpt")
+    # the tour's trained module: the state's weights, and the template is untouched
+    trained = ns["trained"]
+    assert isinstance(trained, torch.nn.Module) and trained is not net
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, template[name]), name
+    x = ns["x"]
+    with torch.no_grad():
+        assert torch.equal(trained.eval()(x), engine.predict_step(net)(state, x))
+
+    _run(STEPS, ns)
+    out = ns["out"]
+    assert ns["new_state"].progress.step == state.progress.step + 1 and out.stepped
+
+    _run(PRECISION, ns)
+    bf16_state, bf16_step = ns["state"], ns["step"]
+    after, bf16_out = bf16_step(bf16_state, (x, ns["y"]))
+    assert after.params["0.weight"].dtype == torch.float32  # mixed: float32 weights
+    assert torch.isfinite(bf16_out.loss)
+
+    _run(CHECKPOINT, ns)
+    assert ns["latest"].endswith(".ckpt")
+    assert ns["meta"]["note"] == "x"
+    assert ns["state"].progress.step == ns["new_state"].progress.step
     assert os.path.exists("runs/b.ckpt")
-    assert "test_loss" in capsys.readouterr().out + str(namespace["trainer"].callback_metrics)
+    net.load_state_dict(ns["sd"])  # "net.load_state_dict(sd) works"
 
 
-def test_the_callback_example_stops_after_its_patience():
-    import torch
+def _plateau_trainer(callbacks, max_epochs=10):
+    from torch.utils.data import DataLoader, TensorDataset
 
+    from purestep import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    trainer = Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    return trainer, DataLoader(data, batch_size=16), DataLoader(data, batch_size=32)
+
+
+@runs(CALLBACK)
+def test_the_callback_example_stops_training_after_its_patience_in_a_trainer():
+    import torch.nn.functional as F
+
+    from purestep import optim
+
+    ns: dict = {}
+    _run(CALLBACK, ns)
+    seen = []
+
+    class Spy(ns["StopOnPlateau"]):  # records what the example's handler sees
+        name = "StopOnPlateau"
+
+        def on_validation_end(self, state, ctx):
+            seen.append((ctx.stage, dict(ctx.metrics), ctx.epoch))
+            return super().on_validation_end(state, ctx)
+
+    def loss_fn(apply, batch):
+        x, y = batch
+        return F.cross_entropy(apply(x), y)
+
+    cb = Spy(patience=2)
+    trainer, train, val = _plateau_trainer([cb])
+    assert trainer.config.num_sanity_val_steps == 2  # the default sanity check runs
+    # lr=0: the validation loss never improves after the first epoch
+    state = trainer.fit(torch.nn.Linear(8, 3), loss_fn, optim.sgd(0.0), train, val)
+    stages = [stage for stage, _, _ in seen]
+    assert stages == ["sanity_check", "validate", "validate", "validate"], stages
+    assert "val_loss" not in seen[0][1]  # why the example skips the sanity check
+    # epoch 0 sets the best, epochs 1 and 2 wait: the stop comes after patience=2 epochs
+    assert state.progress.epoch == 3 and trainer.current_epoch == 3
+    assert trainer.should_stop
+    assert state.callbacks["StopOnPlateau"] == {"best": seen[1][1]["val_loss"], "wait": 2}
+
+    # without the example, the same run trains all 10 epochs
+    trainer, train, val = _plateau_trainer([])
+    state = trainer.fit(torch.nn.Linear(8, 3), loss_fn, optim.sgd(0.0), train, val)
+    assert state.progress.epoch == 10
+
+
+def test_the_callback_example_handler_by_hand():
+    """The handler alone, through ``dispatch``, as a custom loop would call it."""
     from purestep import engine
     from purestep.engine import optim
     from purestep.loops.callbacks import init_states
-    from purestep.loops.events import Context, dispatch
+    from purestep.loops.events import Context, Stage, dispatch
 
-    namespace: dict = {}
-    exec(_block("from purestep.loops.callbacks import Callback"), namespace)
-    cb = namespace["StopOnPlateau"](patience=2)
+    ns: dict = {}
+    exec(_matching(CALLBACK)[0], ns)  # the block's run is checked by the Trainer test
+    cb = ns["StopOnPlateau"](patience=2)
     state = init_states([cb], engine.init(torch.nn.Linear(2, 1), optim.sgd(0.1)))
+    ctx = Context(stage=Stage.SANITY_CHECK, fn="fit", state=state, metrics={})
+    state, requests = dispatch("on_validation_end", [cb], state, ctx)
+    assert not requests.stop and state.callbacks[cb.key]["wait"] == 0
     stops = []
     for loss in [3.0, 2.0, 2.5, 2.5]:
-        ctx = Context(stage="validate", fn="fit", state=state, metrics={"val_loss": loss})
+        ctx = Context(stage=Stage.VALIDATE, fn="fit", state=state, metrics={"val_loss": loss})
         state, requests = dispatch("on_validation_end", [cb], state, ctx)
         stops.append(requests.stop)
     assert stops == [False, False, False, True]
 
 
+@runs(PROPERTY_TEST)
 def test_the_property_test_example_passes():
-    namespace: dict = {}
-    exec(_block("from hypothesis import given"), namespace)
-    namespace["test_my_loop_steps_like_fit"]()
+    ns: dict = {}
+    _run(PROPERTY_TEST, ns)
+    ns["test_my_loop_steps_like_fit"]()
+
+
+def test_predict_without_a_predict_step_is_what_the_readme_says():
+    """``predict`` with no ``predict_step``: the module on the inputs; a dict batch is a
+    clear error (the Trainer bullet about predict)."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+    from purestep import Task, engine, optim
+
+    def loss_fn(apply, batch):
+        x, y = batch
+        return F.cross_entropy(apply(x), y)
+
+    net = torch.nn.Linear(8, 3)
+    trainer, train, _ = _plateau_trainer([], max_epochs=1)
+    state = trainer.fit(net, loss_fn, optim.sgd(0.1), train)
+    x = train.dataset.tensors[0]
+    loader = DataLoader(TensorDataset(x, torch.zeros(64)), batch_size=16)
+    out = trainer.predict(state, loader)  # (inputs, targets) batches: module(batch[0])
+    assert isinstance(out, list) and len(out) == 4
+    assert all(o.device.type == "cpu" and not o.requires_grad for o in out)
+    assert torch.equal(torch.cat(out), engine.predict_step(net)(state, x))
+    two = trainer.predict(state, [loader, DataLoader(x, batch_size=32)])  # plain tensors too
+    assert [len(o) for o in two] == [4, 2] and torch.equal(torch.cat(two[1]), torch.cat(out))
+
+    class Dicts(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": torch.randn(8), "y": 0}
+
+    with pytest.raises(TypeError, match=r"no predict_step is defined.*module\(batch\) on a dict"):
+        trainer.predict(state, DataLoader(Dicts(), batch_size=2))
+
+    from purestep import loops
+
+    with pytest.raises(TypeError, match=r"no predict_step is defined.*module\(batch\) on a dict"):
+        loops.predict(state, engine.predict_step(net), DataLoader(Dicts(), batch_size=2))
+
+    class NoPredict(Task):
+        def training_step(self, apply, batch):
+            return apply(batch["x"]).square().mean()
+
+        def configure_optimizers(self):
+            return optim.sgd(0.1)
+
+    with pytest.raises(TypeError, match="Define predict_step"):
+        trainer.predict(NoPredict(torch.nn.Linear(8, 3)), DataLoader(Dicts(), batch_size=2))
+
+    class WithPredict(NoPredict):  # an error in the user's own predict_step is left as it is
+        def predict_step(self, apply, batch):
+            raise TypeError("mine")
+
+    with pytest.raises(TypeError, match="^mine") as caught:
+        trainer.predict(WithPredict(torch.nn.Linear(8, 3)), DataLoader(Dicts(), batch_size=2))
+    assert "no predict_step" not in str(caught.value)
+
+
+def test_every_readme_python_block_is_run_by_a_test():
+    blocks = _python_blocks()
+    assert blocks, "no ```python blocks found in README.md"
+    unrun = [
+        _first_line(b) for b in blocks if not any(_first_line(b).startswith(p) for p in _DECLARED)
+    ]
+    assert not unrun, f"README python blocks that no test runs (add them to a @runs test): {unrun}"
+    for prefix in _DECLARED:
+        assert len(_matching(prefix)) == 1, f"{prefix!r} matches {len(_matching(prefix))} blocks"
