@@ -36,11 +36,12 @@ through ``optim.inject_hyperparams``; per-member global-norm clipping with
 **Outputs** have a leading K axis: ``out.loss``, every metric and ``out.grad_norm`` are
 ``[K]``; eval metrics and predictions likewise.
 
-**Parity** (tested, CPU): without BatchNorm, member ``i`` after any number of steps is
-bitwise the state a separate ``engine.train_step`` run from ``member(initial, i)`` reaches
-(params, optimizer state, counters; both gradient paths; the reported loss may differ by an
-ulp, the vmapped ``cross_entropy`` sums in another order). With BatchNorm the batched
-kernels round differently: equal to about 1e-6.
+**Parity** (tested): member ``i`` after any number of steps is the state a separate
+``engine.train_step`` run from ``member(initial, i)`` reaches, to a stated tolerance (each
+tensor within ``1e-5 * max|b| + 1e-6``; counters exactly). It is not bitwise: the batched
+(vmapped) forward and backward kernels do not promise the accumulation order of K separate
+ones, so whether they agree to the bit depends on the CPU's kernels. The optimizer update
+is elementwise, so given the same gradients it is the same arithmetic stacked or not.
 
 Limits: a precision with a loss scaler ("16-mixed") is refused when the strategy is built
 (one scaler would make every member skip when one overflows). ``optim.skip_nonfinite``

@@ -39,6 +39,7 @@ def _trained_state(steps=3):
 
 
 @pytest.mark.parametrize("url", ["{tmp}/a.ckpt", "memory://ckpt-tests/a.ckpt"])
+@pytest.mark.bitwise
 def test_the_whole_state_round_trips_bitwise(tmp_path, url):
     state = _trained_state()
     assert state.grad_accum is not None  # an open accumulation window is saved too

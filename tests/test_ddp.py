@@ -226,6 +226,7 @@ def test_accumulation_matches_and_reduces_once_per_window(two_ranks):
         ]
 
 
+@pytest.mark.bitwise
 def test_runs_are_bitwise_identical(two_ranks):
     again = hardware.launch(_train_only, W, **LAUNCH)
     for first, second in zip(two_ranks, again):

@@ -185,6 +185,7 @@ def test_one_rank_collectives_are_pure_copies(one_rank):
     assert strategy.all_gather_object("me") == ["me"]
 
 
+@pytest.mark.bitwise
 def test_one_rank_training_is_bitwise_single_device(one_rank):
     strategy = hardware.ddp(device="cpu")
     runs = []

@@ -82,6 +82,7 @@ def ranks():
     return hardware.launch(_rank_main, 2, max_seconds=150, timeout=30)
 
 
+@pytest.mark.bitwise
 def test_both_ranks_end_with_the_same_state(ranks):
     tree.assert_trees_equal(ranks[0]["params"], ranks[1]["params"])
     assert ranks[0]["step"] == ranks[1]["step"] == 2 * (48 // (2 * B))
@@ -150,6 +151,7 @@ def _resumable_fit(rank: int, folder: str, kill_at: int | None, resume: bool) ->
     return digest(state) if rank == 0 else None
 
 
+@pytest.mark.bitwise
 def test_a_killed_ddp_run_resumes_bitwise(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     whole.mkdir()

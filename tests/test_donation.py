@@ -24,6 +24,8 @@ from purestep.loops.config import LoopConfig
 from purestep.loops.interrupts import InterruptGuard
 from purestep.loops.loggers import MemoryLogger
 
+pytestmark = pytest.mark.bitwise
+
 # --------------------------------------------------------------------------- helpers
 
 

@@ -1,10 +1,19 @@
 """hardware.ensemble: K members trained at once equal K separate runs.
 
-Tolerances: without BatchNorm every member's parameters, optimizer state and outputs are
-**bitwise** equal to a separate ``engine.train_step`` run from that member's initial state
-(CPU, one thread; both gradient paths). With BatchNorm the batched kernels round
-differently, so members agree to ``rtol=1e-5, atol=1e-6`` (SGD, so rounding is not
-amplified). Run time: about 3 s, plus about 10 s for the ensemble benchmark's quick run.
+Tolerances: an ensemble step and K separate ``engine.train_step`` runs are two different
+computations. A batched (vmapped) matmul or reduction does not promise the accumulation
+order of K separate ones; which order it takes depends on the CPU's kernels (on an AVX-512
+EPYC, and under ``ATEN_CPU_CAPABILITY=default`` as well, members differ from their
+separate runs in the last bits; elsewhere they may agree bitwise). So every floating
+tensor of a member (parameters, buffers, optimizer state) is compared with its separate
+run to ``|a - b| <= RTOL * max|b| + ATOL`` with ``RTOL=1e-5, ATOL=1e-6``, integer leaves
+and the progress exactly; losses and gradient norms to ``rtol=1e-5``. Measured (native and
+scalar kernels, both gradient paths, 2-4 steps): at most 6.7e-6 absolute on an RMSprop
+momentum buffer of magnitude 16, 2.4e-7 on parameters, 1.2e-7 relative on losses: about
+1/20 of the bound at worst. Bitwise (``torch.equal``, marked ``bitwise``) are only claims
+about one computation run twice: donation vs no donation, the dropout masks' determinism,
+checkpoint resume vs an uninterrupted run, and initialisation under the member keys.
+Run time: about 3 s, plus about 10 s for the ensemble benchmark's quick run.
 """
 
 from __future__ import annotations
@@ -29,6 +38,11 @@ from purestep.hardware import member_optim
 
 K = 3
 
+# An ensemble member against its separate run: two different computations (batched kernels
+# do not promise the accumulation order of K separate ones; see the module docstring), so
+# floating tensors agree to RTOL of their largest magnitude plus ATOL, not bitwise.
+RTOL, ATOL = 1e-5, 1e-6
+
 
 def separate_runs(net, opt, start, data, **kwargs):
     """Each member of ``start`` trained alone with the plain engine step."""
@@ -41,8 +55,14 @@ def separate_runs(net, opt, start, data, **kwargs):
     return states, outs
 
 
-def assert_close(a, b, rtol=1e-5, atol=1e-6):
-    """Floating leaves to a tolerance, everything else exactly.
+def assert_close(a, b, rtol=RTOL, atol=ATOL):
+    """Floating leaves to ``|a - b| <= rtol * max|b| + atol`` (per tensor), the rest exactly.
+
+    The bound is relative to each tensor's largest magnitude, not to each element: a
+    reordered sum is off by a few ulps of the magnitudes summed, so an element near zero in
+    a tensor of large ones (an RMSprop momentum buffer) carries their rounding; ``atol``
+    covers tensors that are rounding noise only (a bias before BatchNorm has a zero
+    gradient up to rounding).
 
     (``tree.assert_trees_close`` reports equal integer tensors as different when a tolerance
     is given, so integer buffers such as ``num_batches_tracked`` are compared here.)
@@ -51,7 +71,8 @@ def assert_close(a, b, rtol=1e-5, atol=1e-6):
     assert [p for p, _ in pa] == [p for p, _ in pb]
     for (path, x), (_, y) in zip(pa, pb):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=path)
+            bound = (rtol * y.abs().max().item() if y.numel() else 0.0) + atol
+            torch.testing.assert_close(x, y, rtol=0, atol=bound, msg=path)
         elif isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), path
         else:
@@ -80,19 +101,19 @@ def train(step, state, data):
     ],
     ids=["adam", "adamw", "sgd_nesterov", "rmsprop"],
 )
-def test_members_equal_separate_runs_bitwise(grad, make_opt):
+def test_members_equal_separate_runs(grad, make_opt):
     net, opt, data = mlp(), make_opt(), batches(3)
     ens = hardware.ensemble(K)
     start = engine.init(net, opt, seed=0, strategy=ens)
     state, outs = train(engine.train_step(net, loss_fn, opt, strategy=ens, grad=grad), start, data)
     solo, solo_outs = separate_runs(net, opt, start, data)
     for i in range(K):
-        tree.assert_trees_equal(hardware.member(state, i), solo[i])
+        assert_close(hardware.member(state, i), solo[i])
         for out, alone in zip(outs, solo_outs):
-            # the vmapped mean inside cross_entropy may sum in another order: 1 ulp
-            torch.testing.assert_close(out.loss[i], alone[i].loss, rtol=1e-6, atol=0)
-            assert torch.equal(out.metrics["acc"][i], alone[i].metrics["acc"])
-            assert torch.equal(out.grad_norm[i], alone[i].grad_norm)
+            # the vmapped mean inside cross_entropy may sum in another order
+            torch.testing.assert_close(out.loss[i], alone[i].loss, rtol=RTOL, atol=0)
+            assert torch.equal(out.metrics["acc"][i], alone[i].metrics["acc"])  # counts
+            torch.testing.assert_close(out.grad_norm[i], alone[i].grad_norm, rtol=RTOL, atol=0)
     assert outs[-1].loss.shape == (K,) and outs[-1].grad_norm.shape == (K,)
 
 
@@ -106,7 +127,7 @@ def test_accumulation_and_frozen_params_match_separate_runs():
     state, outs = train(step, start, data)
     solo, _ = separate_runs(net, opt, start, data, accumulate=2)
     for i in range(K):
-        tree.assert_trees_equal(hardware.member(state, i), solo[i])
+        assert_close(hardware.member(state, i), solo[i])
     assert [o.stepped for o in outs] == [False, True, False, True]
     assert torch.equal(state.params["0.bias"], start.params["0.bias"])
 
@@ -130,6 +151,7 @@ def test_batchnorm_buffers_are_per_member_and_match_separate_runs():
             assert_close(hardware.member(state, i), solo[i])
 
 
+@pytest.mark.bitwise
 def test_donating_gives_the_same_bits():
     net, opt, data = mlp(batchnorm=True), optim.adam(1e-2), batches(3)
     ens = hardware.ensemble(K, clip_grad_norm=0.5)
@@ -156,8 +178,8 @@ def test_per_member_batches():
         alone = hardware.member(start, i)
         for step_data in data:
             alone, out = step(alone, step_data[i])
-        tree.assert_trees_equal(hardware.member(state, i), alone)
-        torch.testing.assert_close(outs[-1].loss[i], out.loss, rtol=1e-6, atol=0)
+        assert_close(hardware.member(state, i), alone)
+        torch.testing.assert_close(outs[-1].loss[i], out.loss, rtol=RTOL, atol=0)
     with pytest.raises(ValueError, match="leading axis of size 3"):
         engine.train_step(net, loss_fn, opt, strategy=ens)(start, batches(1)[0])
 
@@ -192,6 +214,7 @@ def test_eval_and_predict_per_member():
 # --------------------------------------------------------------------------- initialisation
 
 
+@pytest.mark.bitwise
 def test_members_are_independent_initialisations_under_their_keys():
     net = mlp()
     ens = hardware.ensemble(4)
@@ -261,6 +284,7 @@ def test_a_meta_template_with_tensors_no_reset_initialises_is_refused():
 # --------------------------------------------------------------------------- randomness
 
 
+@pytest.mark.bitwise
 def test_dropout_masks_differ_across_members_and_are_deterministic():
     net = mlp(dropout=0.5)
     opt = optim.sgd(0.1)
@@ -286,7 +310,7 @@ def test_dropout_masks_differ_across_members_and_are_deterministic():
 # --------------------------------------------------------------------------- hyper-parameters
 
 
-def test_lr_sweep_matches_separate_runs_bitwise():
+def test_lr_sweep_matches_separate_runs():
     lrs = [1e-3, 3e-2, 1e-3, 1e-2]  # equal values share an optimizer call; order is kept
     opt = optim.inject_hyperparams(optim.adam)(lr=1e-3)
     net, data = mlp(), batches(3)
@@ -301,8 +325,8 @@ def test_lr_sweep_matches_separate_runs_bitwise():
         solo_state = alone.replace(opt_state=solo_opt.init(alone.params))
         solo_state, _ = train(engine.train_step(net, loss_fn, solo_opt), solo_state, data)
         m = hardware.member(state, i)
-        tree.assert_trees_equal(m.params, solo_state.params)
-        tree.assert_trees_equal(m.opt_state.inner_state, solo_state.opt_state)
+        assert_close(m.params, solo_state.params)
+        assert_close(m.opt_state.inner_state, solo_state.opt_state)
         assert float(m.opt_state.hyperparams["lr"]) == lr
 
 
@@ -351,7 +375,8 @@ def test_benchmark_quick_run_with_breakdown():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.strip().splitlines()
-    assert "agrees with its sequential run bitwise" in done.stdout
+    # bitwise on some CPUs, to a rounding error on others (the benchmark fails above 1e-5)
+    assert "agrees with its sequential run" in done.stdout
     assert any("gradient half" in line for line in lines)
     key, _, value = lines[-1].partition("=")
     assert key == "speedup" and math.isfinite(float(value)) and float(value) > 0
@@ -374,7 +399,7 @@ def test_tuple_hyperparameter_and_schedules():
         )
         alone = hardware.member(start, i)
         solo, _ = train(engine.train_step(net, loss_fn, solo_opt), alone, data)
-        tree.assert_trees_equal(hardware.member(state, i), solo)
+        assert_close(hardware.member(state, i), solo)
 
 
 def random_members(k: int) -> list[dict[str, torch.Tensor]]:
@@ -413,7 +438,9 @@ def test_grouped_optimizer_step_equals_per_member_steps(choice, momentum):
         ref, ref_state = members[i], solo.init(members[i])
         for _ in range(2):
             ref, ref_state = optim.step(solo, grads[i], ref_state, ref)
-        tree.assert_trees_equal({n: t[i] for n, t in params.items()}, ref)
+        # a stacked optimizer step against a per-member one: other tensor sizes, so other
+        # vectorised/tail splits of the same element-wise kernels
+        assert_close({n: t[i] for n, t in params.items()}, ref)
 
 
 # --------------------------------------------------------------------------- clipping
@@ -434,7 +461,7 @@ def test_per_member_clipping_matches_clip_by_global_norm():
             alone.replace(opt_state=solo_opt.init(alone.params)),
             data,
         )
-        tree.assert_trees_equal(hardware.member(state, i).params, solo.params)
+        assert_close(hardware.member(state, i).params, solo.params)
 
 
 def test_optimizer_that_mixes_members_is_refused():
@@ -454,7 +481,7 @@ def test_optimizer_that_mixes_members_is_refused():
     engine.train_step(net, loss_fn, opt, strategy=unchecked)(start, batches(1)[0])
 
 
-def test_member_norms_are_bitwise_the_separate_global_norms():
+def test_member_norms_are_the_separate_global_norms():
     g = torch.Generator().manual_seed(0)
     grads = {
         "a": torch.randn(5, 7, 3, generator=g) * 100,
@@ -463,7 +490,9 @@ def test_member_norms_are_bitwise_the_separate_global_norms():
     }
     norms = member_optim.member_norms(grads)
     for i in range(5):
-        assert torch.equal(norms[i], tree.global_norm({n: t[i] for n, t in grads.items()}))
+        # a per-row vector_norm against torch._foreach_norm: two kernels
+        alone = tree.global_norm({n: t[i] for n, t in grads.items()})
+        torch.testing.assert_close(norms[i], alone, rtol=RTOL, atol=0)
 
 
 # --------------------------------------------------------------------------- state helpers
@@ -509,6 +538,7 @@ def test_stack_and_member_errors():
         hardware.member(ens_state, 2)
 
 
+@pytest.mark.bitwise
 def test_checkpoint_round_trip_and_bitwise_resume(tmp_path):
     net, data = mlp(dropout=0.2, batchnorm=True), batches(4)
     opt = optim.inject_hyperparams(optim.adam)(lr=1e-2)

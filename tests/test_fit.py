@@ -415,6 +415,7 @@ def _torch_accumulation(net, data, batch_size, factors, epochs, lr, momentum):
 
 
 @pytest.mark.parametrize("accumulate", [3, {0: 1, 1: 3}])
+@pytest.mark.bitwise
 def test_accumulation_equals_a_hand_written_torch_loop_bitwise(accumulate):
     config = LoopConfig.create(max_epochs=2, accumulate_grad_batches=accumulate)
     net, data = tiny(7, batch_size=2, width=3)
@@ -624,6 +625,7 @@ def test_checkpoints_are_written_at_commit_points_only():
     ]
 
 
+@pytest.mark.bitwise
 def test_resuming_from_a_mid_epoch_commit_matches_an_uninterrupted_run():
     config = LoopConfig.create(max_epochs=2, accumulate_grad_batches=2, log_every_n_steps=1)
     saved = {}
@@ -658,6 +660,7 @@ def test_resuming_from_a_mid_epoch_commit_matches_an_uninterrupted_run():
 
 @settings(max_examples=10)
 @given(stop_index=st.integers(0, 8))
+@pytest.mark.bitwise
 def test_resuming_after_a_stop_request_matches(stop_index):
     """A checkpoint taken right after a stop request still ends the run where the
     uninterrupted one ended (the request lives in the state)."""

@@ -20,6 +20,8 @@ from purestep.engine import optim
 from purestep.engine.optim import schedules
 from purestep.engine.tree import assert_trees_close, assert_trees_equal
 
+pytestmark = pytest.mark.bitwise
+
 SHAPES = {"fc1.weight": (6, 5), "fc1.bias": (6,), "fc2.weight": (3, 6), "fc2.bias": (3,), "t": ()}
 STEPS = 100
 

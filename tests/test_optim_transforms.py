@@ -103,6 +103,7 @@ def test_inputs_unchanged(name):
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.bitwise
 def test_donation_same_bits(name):
     tx = TRANSFORMS[name]()
     params, grads = make_params(), make_grads(5)
@@ -203,6 +204,7 @@ def test_donated_adam_peak_memory_not_above_torch(cls, kwargs, factory):
 
 @pytest.mark.parametrize("max_norm", [0.1, 1.0, 1e3])
 @pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.bitwise
 def test_clip_by_global_norm_matches_torch(max_norm, mixed):
     params = make_params()
     if mixed:
@@ -219,6 +221,7 @@ def test_clip_by_global_norm_matches_torch(max_norm, mixed):
     assert out["enc.bias"].dtype == params["enc.bias"].dtype
 
 
+@pytest.mark.bitwise
 def test_clip_by_value_matches_torch():
     params = make_params()
     grads = make_grads(1, like=params)[0]
@@ -236,6 +239,7 @@ def test_clip_by_value_matches_torch():
 
 @settings(max_examples=15, deadline=None)
 @given(k=st.integers(1, 4), windows=st.integers(1, 3), donate=st.booleans())
+@pytest.mark.bitwise
 def test_accumulate_equals_one_step_on_mean(k, windows, donate):
     params = make_params()
     grads = make_grads(k * windows, seed=k)
@@ -529,6 +533,7 @@ def test_inject_hyperparams_positional_and_varargs():
     assert_trees_equal(u, {n: t * -0.5 for n, t in g.items()})
 
 
+@pytest.mark.bitwise
 def test_owning_updates_reuses_only_the_gradients_and_keeps_results_bitwise():
     torch.manual_seed(0)
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
@@ -606,6 +611,7 @@ def _snapshot(x):
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 @pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.bitwise
 def test_owning_updates_keeps_params_state_and_bits(name, fused):
     tx = TRANSFORMS[name]()
     params = make_params()
@@ -698,6 +704,7 @@ def _counting(factory):
 
 
 @pytest.mark.parametrize("factory", [optim.adam, optim.sgd, optim.rmsprop, optim.adagrad])
+@pytest.mark.bitwise
 def test_inject_hyperparams_hands_schedules_on_without_rebuilding(factory):
     sched = schedules.cosine(0.05, 10, 0.001)
     counted, calls = _counting(factory)
@@ -785,6 +792,7 @@ def test_masked_step_is_update_then_apply_updates_and_partition_freezes():
     not hasattr(torch.nn.utils, "get_total_norm"),
     reason="torch < 2.6: mixed dtypes are grouped by first appearance, not torch's order",
 )
+@pytest.mark.bitwise
 def test_clip_by_global_norm_mixed_dtypes_matches_torch_bitwise():
     """Several dtypes: torch groups them in an internal hash order; we must agree."""
     gen = torch.Generator().manual_seed(3)

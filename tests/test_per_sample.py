@@ -100,6 +100,7 @@ def test_no_noise_and_no_clipping_equals_the_mean_loss_step():
     assert tree.diff(a, b, rtol=1e-5, atol=1e-7) == []
 
 
+@pytest.mark.bitwise
 def test_step_is_pure_and_reproducible_and_noise_changes_every_step():
     net = mlp(dropout=0.3)
     step = dp_step(net)

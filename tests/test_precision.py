@@ -68,6 +68,7 @@ def test_mixed_precisions_autocast_the_forward_pass_and_keep_float32_parameters(
     assert out.loss.dtype == torch.float32
 
 
+@pytest.mark.bitwise
 def test_16_mixed_matches_torch_autocast_with_grad_scaler_bitwise():
     engine_net, raw_net = mlp(), mlp()
     strategy = hardware.single_device("cpu", "16-mixed")

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "resume_job.py"
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.bitwise]
 
 
 def _run(folder: Path, *args: str) -> subprocess.CompletedProcess:

@@ -25,6 +25,7 @@ def _state_and_step(dropout=0.5, batchnorm=True, **kwargs):
 
 @pytest.mark.parametrize("grad", ["autograd", "func"])
 @pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.bitwise
 def test_step_leaves_every_leaf_of_the_input_state_bitwise_unchanged(grad, accumulate):
     _, state, step = _state_and_step(grad=grad, accumulate=accumulate)
     for batch in batches(4):
@@ -34,6 +35,7 @@ def test_step_leaves_every_leaf_of_the_input_state_bitwise_unchanged(grad, accum
         state = new_state
 
 
+@pytest.mark.bitwise
 def test_same_state_and_batch_give_bitwise_identical_results_twice():
     _, state, step = _state_and_step()
     batch = batches(1)[0]
@@ -81,6 +83,7 @@ print(digest((state, out)))
 """
 
 
+@pytest.mark.bitwise
 def test_results_are_bitwise_identical_in_a_separate_process():
     net = mlp(dropout=0.5, batchnorm=True)
     opt = optim.adam(1e-2)
@@ -114,6 +117,7 @@ def test_the_template_module_is_never_mutated():
 # ------------------------------------------------------------------ parity with plain PyTorch
 
 
+@pytest.mark.bitwise
 def test_matches_a_hand_written_pytorch_loop_bitwise():
     """SGD with momentum and BatchNorm: params and running stats equal a plain loop's."""
     engine_net = mlp(batchnorm=True)
@@ -133,6 +137,7 @@ def test_matches_a_hand_written_pytorch_loop_bitwise():
     tree.assert_trees_equal(state.buffers, dict(raw_net.named_buffers()))
 
 
+@pytest.mark.bitwise
 def test_gradient_accumulation_matches_a_hand_written_loop_bitwise():
     engine_net, raw_net = mlp(), mlp()
     opt = optim.sgd(0.1)
@@ -167,6 +172,7 @@ def test_accumulation_schedule_is_a_function_of_progress():
         bad(state, batches(1)[0])
 
 
+@pytest.mark.bitwise
 def test_backward_then_apply_is_the_same_step_and_exposes_the_gradients():
     net, state, step = _state_and_step(dropout=0.0, batchnorm=False)
     batch = batches(1)[0]
@@ -185,6 +191,7 @@ def test_backward_then_apply_is_the_same_step_and_exposes_the_gradients():
         acc_step.apply(opened, pending)
 
 
+@pytest.mark.bitwise
 def test_func_gradients_equal_autograd_gradients_bitwise():
     _, state, step = _state_and_step()
     _, _, step_func = _state_and_step(grad="func")
@@ -195,6 +202,7 @@ def test_func_gradients_equal_autograd_gradients_bitwise():
         state = a
 
 
+@pytest.mark.bitwise
 def test_donation_gives_the_same_result_and_reuses_storage():
     _, state, step = _state_and_step()
     _, _, donating = _state_and_step(donate=True)
@@ -289,6 +297,7 @@ class _Tied(nn.Module):
         return self.head(self.b(torch.relu(self.a(x))))
 
 
+@pytest.mark.bitwise
 def test_tied_weights_are_one_parameter_and_match_pytorch():
     engine_net, raw_net = _Tied(), _Tied()
     raw_net.load_state_dict(engine_net.state_dict())

@@ -91,6 +91,7 @@ def test_autograd_really_hands_out_aliasing_gradients():
 
 @pytest.mark.parametrize("cls", [_Sum, _View, _Summed])
 @pytest.mark.parametrize("grad", ["autograd", "func"])
+@pytest.mark.bitwise
 def test_adam_on_aliasing_gradients_equals_torch_adam_bitwise(cls, grad):
     opt = optim.adam(0.1, weight_decay=0.01)
     state = engine.init(cls(), opt)
@@ -104,6 +105,7 @@ def test_adam_on_aliasing_gradients_equals_torch_adam_bitwise(cls, grad):
 
 
 @pytest.mark.parametrize("cls", [_Sum, _View, _Summed])
+@pytest.mark.bitwise
 def test_sgd_momentum_with_donation_keeps_one_buffer_per_parameter(cls):
     opt = optim.sgd(0.1, momentum=0.9)
     state = engine.init(cls(), opt)
@@ -119,6 +121,7 @@ def test_sgd_momentum_with_donation_keeps_one_buffer_per_parameter(cls):
     tree.assert_trees_equal(state.params, expected)
 
 
+@pytest.mark.bitwise
 def test_16_mixed_unscales_aliasing_gradients_once():
     """The scale is a power of two and nothing here autocasts: SGD must match float32 torch."""
     strategy = hardware.single_device("cpu", "16-mixed")
@@ -141,8 +144,10 @@ def test_ensemble_members_on_aliasing_gradients_equal_torch_adam(grad):
     for _ in range(3):
         state, _ = step(state, _X[_Sum])
     expected = _torch_run(_Sum, lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=True), 3)
+    # An ensemble member against a separate torch run: batched kernels promise no order of
+    # accumulation, so a tolerance (tests/test_ensemble.py says why), not bitwise.
     for i in range(2):
-        tree.assert_trees_equal(hardware.member(state, i).params, expected)
+        tree.assert_trees_close(hardware.member(state, i).params, expected, rtol=1e-5, atol=1e-6)
 
 
 # Each gradient is made as: a fresh tensor, one of the earlier ones again, a view of an
@@ -228,6 +233,7 @@ class _MaskedNet(nn.Module):
 
 
 @pytest.mark.parametrize("grad", ["autograd", "func"])
+@pytest.mark.bitwise
 def test_constant_buffers_are_bound_uncopied_and_results_match_pytorch(grad):
     net, raw = _MaskedNet(), _MaskedNet()
     opt = optim.sgd(0.1, momentum=0.9)
@@ -447,6 +453,7 @@ class _FrozenNorm(nn.Module):
 
 
 @pytest.mark.parametrize("template_mode", ["train", "eval"])
+@pytest.mark.bitwise
 def test_train_overrides_are_respected_and_the_template_restored(template_mode):
     net, raw = _FrozenNorm(), _FrozenNorm()
     getattr(net, template_mode)()
@@ -505,6 +512,7 @@ def test_the_step_api_is_exported():
     assert not hasattr(engine.Strategy, "wrap_step")
 
 
+@pytest.mark.bitwise
 def test_scalar_gradients_equal_the_public_api_bitwise():
     from purestep.engine.step import scalar_gradients
 

@@ -59,6 +59,7 @@ def test_single_device_learns():
     assert after < before
 
 
+@pytest.mark.bitwise
 def test_ddp_on_two_ranks_equals_one_device_on_the_same_global_batches():
     ranks = hardware.launch(_ddp_rank, 2, max_seconds=120, timeout=30)
     tree.assert_trees_equal(ranks[0][0], ranks[1][0])

@@ -92,6 +92,7 @@ def test_close_respects_tolerances():
         tree.assert_trees_close(a, b, rtol=1e-8)
 
 
+@pytest.mark.bitwise
 def test_helpers_zeros_cast_device_norm():
     t = {"a": torch.ones(2, 2), "i": torch.ones(3, dtype=torch.int64), "s": 5}
     z = tree.zeros_like(t)
@@ -164,6 +165,7 @@ def _clip_grad_norm_reference(tensors):
     not hasattr(torch.nn.utils, "get_total_norm"),
     reason="torch < 2.6: mixed dtypes are grouped by first appearance, not torch's order",
 )
+@pytest.mark.bitwise
 def test_global_norm_of_mixed_dtypes_is_bitwise_clip_grad_norm():
     """torch orders dtype groups by an internal hash, not first appearance; the order changes
     the last bit of the result in a few percent of cases, so try many."""
@@ -182,25 +184,29 @@ def test_global_norm_of_mixed_dtypes_is_bitwise_clip_grad_norm():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.bitwise
 def test_global_norm_over_two_devices_is_bitwise_clip_grad_norm():
     tensors = {"a": torch.randn(5, 3, device="cuda"), "b": torch.randn(4), "c": torch.randn(2)}
     assert tree.global_norm(tensors).device.type == "cuda"
     assert torch.equal(tree.global_norm(tensors), _clip_grad_norm_reference(list(tensors.values())))
 
 
+@pytest.mark.bitwise
 def test_combine_norms_is_the_last_step_of_global_norm():
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn(n, generator=g) for n in (3, 17, 1, 64)]
     norms = torch._foreach_norm(tensors, 2.0)
     assert torch.equal(tree.combine_norms(norms), tree.global_norm(tensors))
     assert torch.equal(tree.combine_norms([]), torch.tensor(0.0))
-    # per-member vectors: entry i combines the i-th entries, as a separate run would
+    # per-member vectors: entry i combines the i-th entries, as a separate run would. Per-row
+    # and batched norms against torch._foreach_norm are two kernels, so not bitwise in general
     members = [torch.randn(4, n, generator=g) for n in (3, 5, 2)]
     rows = [torch.linalg.vector_norm(m, 2.0, dim=1) for m in members]
     combined = tree.combine_norms(rows)
     assert combined.shape == (4,)
     for i in range(4):
-        assert torch.equal(combined[i], tree.global_norm([m[i] for m in members]))
+        alone = tree.global_norm([m[i] for m in members])
+        torch.testing.assert_close(combined[i], alone, rtol=1e-6, atol=0)
 
 
 def test_device_dtype_groups_keep_first_appearance_order():
