@@ -8,12 +8,13 @@ primary process writes; the others wait at a barrier.
 
 ``resolve(ckpt_path)`` turns ``"last"`` (the newest checkpoint that reads, searched in the
 checkpoint folders, across the loggers' version folders), ``"best"`` (the checkpoint
-callback's best path) or a path into a URL. ``restore`` loads a checkpoint for resuming
-(``engine.checkpoint.conform`` against a fresh state): the parameters, buffers, optimizer
-and loss-scaler state must match the model and optimizer being trained and land on their
-devices; everything else (progress, key, callback and loop state, the open accumulation
-window) comes from the file. A checkpoint ``resolve`` already read to validate it is not
-read again by ``restore`` / ``load_for_eval``.
+callback's best path) or a path into a URL; a path that is no file is an error naming the
+keywords (and the one it is close to: "lastt" -> did you mean 'last'?). ``restore`` loads
+a checkpoint for resuming (``engine.checkpoint.conform`` against a fresh state): the
+parameters, buffers, optimizer and loss-scaler state must match the model and optimizer
+being trained and land on their devices; everything else (progress, key, callback and loop
+state, the open accumulation window) comes from the file. A checkpoint ``resolve`` already
+read to validate it is not read again by ``restore`` / ``load_for_eval``.
 
 Temporary files a killed writer left behind (``.<name>.tmp-*``) are removed by the primary
 process from the folders ``"last"`` searches, and from a folder before this run first writes
@@ -28,6 +29,7 @@ command again with ``ckpt_path="last"`` resumes from it.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import signal
 import threading
@@ -40,9 +42,13 @@ from purestep.engine.state import TrainState
 
 from .callbacks.checkpoint import ModelCheckpoint
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted"]
+__all__ = ["CKPT_KEYWORDS", "PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted"]
 
 PREEMPTED_EXIT_CODE = 75
+#: What ``ckpt_path`` accepts besides a path (fit: "last" only).
+CKPT_KEYWORDS = ("last", "best")
+# Lightning keywords this Trainer does not have.
+_UNSUPPORTED_KEYWORDS = {"hpc": "Lightning's SLURM checkpoint keyword, not available yet"}
 
 
 class Preempted(SystemExit):
@@ -220,7 +226,10 @@ class Checkpointing:
                 'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this '
                 "Trainer's fit; pass a path instead"
             )
-        return os.fspath(ckpt_path)
+        url = os.fspath(ckpt_path)
+        if not ck.storage.exists(url):
+            raise FileNotFoundError(missing_checkpoint(url, fn))
+        return url
 
     def _latest(self, callbacks: Sequence[Any], state: TrainState | None, say: Any):
         """``(url, payload)`` of the newest checkpoint a run can resume from (weights-only
@@ -332,6 +341,28 @@ class Checkpointing:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
+
+
+def ckpt_keywords(fn: str) -> tuple[str, ...]:
+    """The ``ckpt_path`` keywords ``fn`` accepts ("best" is an evaluation's only)."""
+    return CKPT_KEYWORDS if fn != "fit" else ("last",)
+
+
+def missing_checkpoint(url: str, fn: str) -> str:
+    """The error for a ``ckpt_path`` that is no file: the keyword it is close to, if any
+    (a bare word only, not a path), and the keywords ``fn`` accepts."""
+    keywords = ckpt_keywords(fn)
+    hint = ""
+    word = url.strip().lower()
+    if word in _UNSUPPORTED_KEYWORDS:
+        hint = f" ({word!r} is {_UNSUPPORTED_KEYWORDS[word]})"
+    elif not any(c in url for c in "/\\."):
+        close = difflib.get_close_matches(word, keywords, n=1)
+        if close:
+            hint = f" (did you mean {close[0]!r}?)"
+    *others, final = [repr(k) for k in keywords]
+    accepted = ", ".join(["a checkpoint path", *others]) + f" or {final}"
+    return f"ckpt_path={url!r}: no checkpoint at {url}{hint}; {fn} takes {accepted}"
 
 
 def _resumable(payload: dict[str, Any]) -> bool:

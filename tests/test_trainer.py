@@ -537,6 +537,7 @@ def _torch_run(model, dl, lr, clip):
         ("value", lambda ps: torch.nn.utils.clip_grad_value_(list(ps), 0.01)),
     ],
 )
+@pytest.mark.bitwise
 def test_gradient_clipping_equals_torch_bitwise(algorithm, clip):
     value = 0.05 if algorithm == "norm" else 0.01
     t = trainer(max_epochs=1, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
@@ -578,6 +579,7 @@ def test_deterministic_and_detect_anomaly_are_restored_after_fit():
     assert torch.are_deterministic_algorithms_enabled() == before[0]
 
 
+@pytest.mark.bitwise
 def test_same_seed_same_run_bitwise_different_seed_differs(tmp_path):
     def run(seed, folder):
         logger = MemoryLogger()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -98,6 +99,40 @@ def test_ckpt_path_best_is_refused_for_fit_and_last_starts_fresh_without_checkpo
     tree.assert_trees_equal(again.params, state.params)
 
 
+@pytest.mark.parametrize(
+    ("ckpt_path", "hint"),
+    [
+        ("lastt", " (did you mean 'last'?)"),
+        ("LAST", " (did you mean 'last'?)"),
+        ("hpc", " ('hpc' is Lightning's SLURM checkpoint keyword, not available yet)"),
+        ("nowhere/x.ckpt", ""),
+        ("last.ckpt", ""),  # a file name, not a misspelt keyword
+    ],
+)
+def test_fit_with_a_missing_ckpt_path_names_the_keywords(tmp_path, ckpt_path, hint):
+    expected = f"ckpt_path={ckpt_path!r}: no checkpoint at {ckpt_path}{hint}; "
+    expected += "fit takes a checkpoint path or 'last'"
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(expected)}$"):
+        _fit(_trainer(str(tmp_path)), ckpt_path=ckpt_path)
+    assert not list(tmp_path.rglob("*.ckpt"))  # refused before anything trained
+
+
+@pytest.mark.parametrize("fn", ["validate", "test", "predict"])
+@pytest.mark.parametrize(
+    ("ckpt_path", "hint"),
+    [("lastt", " (did you mean 'last'?)"), ("bset", " (did you mean 'best'?)"), ("x.ckpt", "")],
+)
+def test_evaluating_a_missing_ckpt_path_names_the_keywords(tmp_path, fn, ckpt_path, hint):
+    trainer = _trainer(str(tmp_path))
+    expected = f"no checkpoint at {ckpt_path}{hint}; {fn} takes a checkpoint path, "
+    expected += "'last' or 'best'"
+    with pytest.raises(FileNotFoundError, match=re.escape(expected)):
+        getattr(trainer, fn)(
+            mlp(), DataLoader(_data(8), batch_size=8), fn=_loss, ckpt_path=ckpt_path
+        )
+
+
+@pytest.mark.bitwise
 def test_resuming_from_a_path_continues_and_a_wrong_model_is_refused(tmp_path):
     trainer = _trainer(str(tmp_path), max_epochs=1)
     _fit(trainer)
@@ -134,6 +169,7 @@ def test_save_checkpoint_and_weights_only_files(tmp_path):
     tree.assert_trees_equal(loaded.params, state.params)
 
 
+@pytest.mark.bitwise
 def test_async_checkpointing_writes_the_same_states(tmp_path):
     sync_cb = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
     async_cb = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)

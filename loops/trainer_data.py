@@ -1,0 +1,124 @@
+"""Data assembly for the Trainer: DataLoaders, datasets, tensors and ``DataModule`` hooks
+turned into the loops' ``Batches`` sources, on the deterministic order.
+
+Every source is re-created on an order seeded from the state's key (``data_seed``) and
+sharded by the strategy's rank and world size, so a run is a pure function of the seed.
+Nothing here runs per batch: sources are built once per run (or per reload).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from purestep.engine import rng
+from purestep.engine.state import TrainState
+
+from . import schedule
+from .data import Batches, as_list, combine, source
+from .data.source import is_tensor_tuple
+from .task import DataModule
+
+__all__ = [
+    "TRAIN_MODES",
+    "check_fit_data",
+    "data_for",
+    "data_seed",
+    "eval_data",
+    "fit_data",
+    "overrides",
+    "train_data",
+]
+
+#: The modes ``multiple_trainloader_mode`` accepts (fit cannot run "sequential").
+TRAIN_MODES = ("max_size_cycle", "min_size", "max_size")
+
+
+def overrides(obj: Any, method: str) -> bool:
+    """Whether a ``DataModule`` defines ``method`` itself (e.g. ``val_dataloader``)."""
+    return getattr(type(obj), method, None) is not getattr(DataModule, method)
+
+
+def data_seed(state: TrainState) -> int:
+    """The seed of every data order of a run: a pure function of the state's key."""
+    return rng.fold_in(state.rng, rng.Purpose.DATA)
+
+
+def _shard(strategy: Any, seed: int) -> dict[str, int]:
+    return {"seed": seed, "rank": strategy.rank, "world_size": strategy.world_size}
+
+
+def train_data(data: Any, seed: int, *, strategy: Any, mode: str, config: Any) -> Batches:
+    """The training source: one loader, or several combined with ``mode``
+    (``multiple_trainloader_mode``); in order when the loop flags need it (overfitting)."""
+    if data is None:
+        raise ValueError("fit needs training data: pass train_dataloaders or a datamodule")
+    if isinstance(data, (dict, list)) or (isinstance(data, tuple) and not is_tensor_tuple(data)):
+        batches: Batches = combine(data, mode, **_shard(strategy, seed))
+    else:
+        batches = source(data, **_shard(strategy, seed))
+    if schedule.sequential_order(config):
+        batches = batches.with_options(shuffle=False)
+    return batches
+
+
+def eval_data(data: Any, seed: int, *, strategy: Any, sequential: bool = False) -> list[Batches]:
+    """One source per evaluation dataloader (none for ``None``)."""
+    if data is None:
+        return []
+    sources = as_list(data, **_shard(strategy, seed))
+    if sequential:
+        sources = [s.with_options(shuffle=False) for s in sources]
+    return sources
+
+
+def data_for(name: str, dataloaders: Any, datamodule: DataModule | None, getter: str) -> Any:
+    """The dataloaders of an evaluation run: the ones given, or ``datamodule.<getter>()``
+    after its ``prepare_data`` and ``setup(name)``."""
+    if datamodule is not None and dataloaders is not None:
+        raise TypeError("pass either dataloaders or a datamodule, not both")
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup(name)
+        dataloaders = getattr(datamodule, getter)()
+    return dataloaders
+
+
+def check_fit_data(train: Any, val: Any, datamodule: DataModule | None) -> bool:
+    """Refuse fit data that cannot train; return whether there is validation data."""
+    if datamodule is not None and not isinstance(datamodule, DataModule):
+        raise TypeError(f"datamodule must be a DataModule, got {type(datamodule).__name__}")
+    if datamodule is not None and (train is not None or val is not None):
+        raise TypeError("pass either dataloaders or a datamodule, not both")
+    if train is None and (datamodule is None or not overrides(datamodule, "train_dataloader")):
+        raise ValueError(
+            "fit needs training data: pass train_dataloaders or a datamodule that defines "
+            "train_dataloader()"
+        )
+    return val is not None or (datamodule is not None and overrides(datamodule, "val_dataloader"))
+
+
+def fit_data(
+    train: Any,
+    val: Any,
+    datamodule: DataModule | None,
+    seed: int,
+    *,
+    strategy: Any,
+    mode: str,
+    config: Any,
+) -> tuple[Callable[[], Batches], Callable[[], list[Batches]]]:
+    """fit's ``(train_loader, val_loaders)``: what the loop calls at the start and at each
+    reload (``reload_dataloaders_every_n_epochs``), asking the datamodule again each time."""
+
+    def train_loader() -> Batches:
+        data = datamodule.train_dataloader() if datamodule is not None else train
+        return train_data(data, seed, strategy=strategy, mode=mode, config=config)
+
+    def val_loaders() -> list[Batches]:
+        data = datamodule.val_dataloader() if datamodule is not None else val
+        return eval_data(
+            data, seed, strategy=strategy, sequential=schedule.sequential_order(config)
+        )
+
+    return train_loader, val_loaders

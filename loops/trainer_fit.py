@@ -1,0 +1,165 @@
+"""``Trainer.fit``: the task and optimizer, the resume, the steps and the ``FitLoop``.
+
+Everything here runs once per fit; the per-batch work is the loop's (``loops.fit``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from purestep import engine
+from purestep.engine import optim
+from purestep.engine.state import TrainState
+
+from . import schedule
+from .fit import FitLoop
+from .task import DataModule, Task
+from .trainer_data import check_fit_data, data_seed, fit_data
+from .trainer_run import TrainerStatus, driver_for, printer, run_context
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["fit", "fit_optimizer", "fit_task"]
+
+
+def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
+    """The ``Task`` to train: ``model`` itself, or a plain module wrapped with its pieces."""
+    if isinstance(model, Task):
+        if loss_fn is not None or optimizer is not None:
+            raise TypeError(
+                "a Task brings its own steps and optimizer; pass data by keyword "
+                "(train_dataloaders=..., val_dataloaders=...)"
+            )
+        return model
+    if isinstance(model, nn.Module):
+        if loss_fn is None or optimizer is None:
+            raise TypeError(
+                "fit(model, loss_fn, optimizer, train, val): a plain nn.Module needs a "
+                "loss function and an engine.optim optimizer (or wrap them in a Task)"
+            )
+        return Task.wrap(model, loss_fn, optimizer)
+    raise TypeError(f"expected a Task or an nn.Module, got {type(model).__name__}")
+
+
+def fit_optimizer(task: Task, config: Any) -> Any:
+    """The task's optimizer, behind the clipping ``gradient_clip_val`` asks for."""
+    opt = task.configure_optimizers()
+    if not (hasattr(opt, "init") and hasattr(opt, "update")):
+        raise TypeError(
+            "configure_optimizers() must return an engine.optim transform, got "
+            f"{type(opt).__name__}"
+        )
+    clip = config.gradient_clip_val
+    if clip:  # 0 and None mean no clipping, as in Lightning
+        if config.gradient_clip_algorithm == "norm":
+            opt = optim.chain(optim.clip_by_global_norm(clip), opt)
+        else:
+            opt = optim.chain(optim.clip_by_value(clip), opt)
+    return opt
+
+
+def fit(
+    trainer: Trainer,
+    model: Task | nn.Module,
+    loss_fn: Any,
+    optimizer: Any,
+    train_dataloaders: Any,
+    val_dataloaders: Any,
+    *,
+    datamodule: DataModule | None,
+    ckpt_path: str | None,
+    state: TrainState | None,
+    seed: int,
+) -> TrainState:
+    """What ``Trainer.fit`` does (see there)."""
+    task = fit_task(model, loss_fn, optimizer)
+    has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule)
+    trainer._task = task
+    trainer._loop = None
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    task.setup("fit")
+    strategy = trainer.strategy
+    net = strategy.convert_model(task.get_model())
+    opt = fit_optimizer(task, trainer.config)
+    owned = state is None  # built here: the loop may update it in place without a copy
+    if state is None:
+        state = engine.init(net, opt, seed=seed, strategy=strategy)
+    elapsed = 0.0
+    say = printer(trainer)
+    checkpointing = trainer.checkpointing
+    url = checkpointing.resolve(ckpt_path, trainer.callbacks, None, fn="fit", say=say)
+    if url is not None:
+        state, meta = checkpointing.restore(url, state)
+        elapsed = float(meta.get("elapsed", 0.0))
+        say(f"Restored the training state from {url}")
+    config = trainer.config
+    train_loader, val_loaders = fit_data(
+        train_dataloaders,
+        val_dataloaders,
+        datamodule,
+        data_seed(state),
+        strategy=strategy,
+        mode=trainer.multiple_trainloader_mode,
+        config=config,
+    )
+    validates = task.has("validation_step") and has_val_data
+    step = engine.train_step(
+        net,
+        task.training_step,
+        opt,
+        strategy=strategy,
+        accumulate=(
+            config.accumulate_grad_batches
+            if isinstance(config.accumulate_grad_batches, int)
+            else lambda p: schedule.accumulation_factor(config, p.epoch)
+        ),
+        grad_norm=False,  # nothing in the loops reads it; callbacks see the gradients
+    )
+    evaluate_step = (
+        engine.eval_step(net, task.validation_step, strategy=strategy) if validates else None
+    )
+    driver = driver_for(trainer, "fit", task, net)
+    driver.elapsed_offset = elapsed
+    if url is not None:
+        driver.extra["resumed_from"] = url
+    for message in schedule.startup_messages(config):
+        driver.say(message)
+    if has_val_data and not task.has("validation_step"):
+        driver.say(
+            f"{type(task).__name__} defines no validation_step: the validation data is "
+            "not used (define validation_step to validate during fit)"
+        )
+    loop = FitLoop(
+        step,
+        None,
+        driver=driver,
+        config=config,
+        val=None if validates else (),
+        eval_step=evaluate_step,
+        reload_train=train_loader,
+        reload_val=val_loaders if validates else None,
+        hparams=task.hparams or None,
+        donate=trainer.donate_state,
+    )
+    trainer._loop = loop
+    try:
+        with run_context(trainer), checkpointing.preemption(driver, driver.callbacks):
+            state = loop.run(state, owned=owned)
+    finally:
+        checkpointing.wait()
+        trainer.status = driver.status
+        trainer._torn = driver.torn
+        if driver.torn:  # failed inside an in-place update: no whole state to offer
+            trainer.train_state = None
+        else:
+            trainer.train_state = loop.state if loop.state is not None else state
+    if trainer.status == TrainerStatus.FINISHED:
+        task.teardown("fit")
+        if datamodule is not None:
+            datamodule.teardown("fit")
+    return state

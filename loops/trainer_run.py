@@ -1,0 +1,155 @@
+"""What every Trainer run shares: its status, its callbacks in Lightning's order, its driver
+(the one place effects happen) and the torch settings it runs under.
+
+Functions of the ``Trainer`` they serve (``loops.trainer``), kept apart so that ``fit`` and
+the evaluation entry points (``trainer_fit``, ``trainer_eval``) build their runs the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .callbacks import ModelSummary, ProgressBar, Timer
+from .driver import Driver
+from .driver import print_message as _say
+from .task import Task, task_callback
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["TrainerStatus", "driver_for", "entry_point", "printer", "run_context"]
+
+
+class TrainerStatus:
+    """``trainer.status`` values."""
+
+    INITIALIZING = "initializing"
+    RUNNING = "running"
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"
+
+
+def entry_point(fn: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a Trainer method as a run: ``trainer.fn`` and status "running" while it runs,
+    status "interrupted" if anything fails, whatever the loop reported otherwise."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+            self.fn = fn
+            self.status = TrainerStatus.RUNNING
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException:
+                self.status = TrainerStatus.INTERRUPTED
+                raise
+
+        return run
+
+    return wrap
+
+
+def printer(trainer: Trainer) -> Callable[[str], None]:
+    """Where the run's messages go (a test or an embedding application may replace it)."""
+    return trainer._printer or _say
+
+
+def run_callbacks(
+    trainer: Trainer, task: Task | None, fn: str, driver_messages: list[str]
+) -> list[Any]:
+    """Lightning's callback order: the user's, then the ones flags add, checkpointing
+    callbacks last; the task's handlers run after every callback (as a LightningModule's
+    hooks do; the monitoring ones still run after it at epoch and validation end)."""
+    cbs = list(trainer.callbacks)
+    if trainer.config.max_time is not None:
+        if any(isinstance(cb, Timer) for cb in cbs):
+            driver_messages.append(
+                "Ignoring Trainer(max_time=...): the callbacks already contain a Timer."
+            )
+        else:
+            cbs.append(Timer(duration=trainer.config.max_time, interval="step"))
+    if (
+        fn == "fit"
+        and trainer.enable_model_summary
+        and not any(isinstance(cb, ModelSummary) for cb in cbs)
+    ):
+        cbs.append(ModelSummary())
+    checkpointing = [cb for cb in cbs if getattr(cb, "checkpointing", False)]
+    cbs = [cb for cb in cbs if cb not in checkpointing] + checkpointing
+    if task is not None:
+        cbs.append(task_callback(task))
+    return cbs
+
+
+def shared_log_dir(trainer: Trainer) -> str:
+    """The run folder rank 0 chose (every process names files after it)."""
+    strategy = trainer.strategy
+    if strategy.world_size == 1:
+        return trainer.log_dir
+    chosen = trainer.log_dir if strategy.is_primary else None
+    return strategy.broadcast_object(chosen, 0)
+
+
+def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | None) -> Driver:
+    """A new driver for a run of ``fn``, remembered as the trainer's current one."""
+    messages: list[str] = []
+    checkpointing = trainer.checkpointing
+    driver = Driver(
+        fn=fn,
+        callbacks=run_callbacks(trainer, task, fn, messages),
+        loggers=trainer.loggers,
+        observers=[ProgressBar()] if trainer.enable_progress_bar else [],
+        config=trainer.config,
+        strategy=trainer.strategy,
+        log_dir=shared_log_dir(trainer),
+        checkpointer=checkpointing.save,
+        remover=checkpointing.remove,
+        linker=checkpointing.link,
+        flush=checkpointing.wait,
+        exists=_exists,
+        clock=trainer._clock,
+        extra={"model": model, "num_loggers": len(trainer.loggers)},
+        **({"printer": trainer._printer} if trainer._printer is not None else {}),
+    )
+    for message in messages:
+        driver.say(message)
+    trainer._driver = driver
+    return driver
+
+
+@contextlib.contextmanager
+def run_context(trainer: Trainer) -> Iterator[None]:
+    """``deterministic`` and ``detect_anomaly`` for the duration of a run, then restored."""
+    deterministic, detect_anomaly = trainer.deterministic, trainer.detect_anomaly
+    previous_det = torch.are_deterministic_algorithms_enabled()
+    previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    previous_anomaly = torch.is_anomaly_enabled()
+    previous_anomaly_nan = torch.is_anomaly_check_nan_enabled()
+    try:
+        if deterministic is not None:
+            torch.use_deterministic_algorithms(
+                bool(deterministic), warn_only=deterministic == "warn"
+            )
+        if detect_anomaly:
+            torch.autograd.set_detect_anomaly(True)
+        yield
+    finally:
+        # restore only what was changed: the first use_deterministic_algorithms call of
+        # a process imports a large part of torch (seconds)
+        if deterministic is not None:
+            torch.use_deterministic_algorithms(previous_det, warn_only=previous_warn)
+        if detect_anomaly:
+            torch.autograd.set_detect_anomaly(previous_anomaly, check_nan=previous_anomaly_nan)
+
+
+def _exists(url: str) -> bool:
+    """Whether a file exists on any fsspec filesystem (for checkpoint version suffixes)."""
+    from purestep.engine.checkpoint import storage
+
+    return storage.exists(url)
