@@ -3,7 +3,8 @@
 The engine's transforms are elementwise foreach arithmetic (Adam, SGD, RMSprop, Adagrad,
 weight decay, scaling, value clipping, accumulation, masks by name), so applying one to
 tensors stacked along a member axis updates every member with the arithmetic a separate run
-does on the same gradients (elementwise operations round the same, stacked or not). Three things are not elementwise and are handled here:
+does on the same gradients (elementwise operations round the same, stacked or not). Three
+things are not elementwise and are handled here:
 
 * **Per-member hyper-parameters** (``optim.inject_hyperparams`` keeps them as tensors in the
   state; an ensemble stores them with the member axis, shape ``[K]``). The transforms read

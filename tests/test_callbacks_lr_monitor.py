@@ -54,10 +54,10 @@ def test_chain_of_clip_and_injected_adamw():
         inject(optim.adamw)(lr=1e-3, betas=(0.8, 0.99), weight_decay=0.05),
     )
     req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt)
-    assert req.log == {"lr-Adam": 1e-3}
+    assert req.log == {"lr-AdamW": 1e-3}
     cb = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
     req = _fire(cb, "on_train_epoch_start", opt)
-    assert req.log == {"lr-Adam": 1e-3, "lr-Adam-momentum": 0.8, "lr-Adam-weight_decay": 0.05}
+    assert req.log == {"lr-AdamW": 1e-3, "lr-AdamW-momentum": 0.8, "lr-AdamW-weight_decay": 0.05}
 
 
 def test_partition_labels_become_group_suffixes():
@@ -113,9 +113,70 @@ def test_repeated_optimizers_get_numbered():
     assert [float(f.hyperparams["lr"]) for f in found] == [1e-4, 4e-4]
 
 
+# Lightning names the key after the optimizer's class: torch.optim.AdamW -> "lr-AdamW".
+NAMED = [
+    (optim.sgd, "SGD", torch.optim.SGD),
+    (optim.adam, "Adam", torch.optim.Adam),
+    (optim.adamw, "AdamW", torch.optim.AdamW),
+    (optim.rmsprop, "RMSprop", torch.optim.RMSprop),
+    (optim.adagrad, "Adagrad", torch.optim.Adagrad),
+]
+
+
+@pytest.mark.parametrize(("factory", "name", "torch_class"), NAMED)
+def test_every_named_optimizer_is_named_after_its_torch_class(factory, name, torch_class, tmp_path):
+    assert name == torch_class.__name__
+    assert factory.optimizer_name == name
+    state = inject(factory)(lr=0.1).init({"w": torch.zeros(2)})
+    assert state.name == name
+    assert [f.key for f in find_hyperparams(state)] == [f"lr-{name}"]
+    # the name survives steps, tree maps (it is static) and checkpoints
+    opt = inject(factory)(lr=0.1)
+    net = _net()
+    step = engine.train_step(
+        net, lambda apply, b: F.mse_loss(apply(b[0]), b[1]), opt, grad_norm=False
+    )
+    trained, _ = step(engine.init(net, opt), (torch.randn(5, 4), torch.randn(5, 2)))
+    assert trained.opt_state.name == name
+    mapped = engine.tree.map(lambda t: t.clone() if torch.is_tensor(t) else t, trained.opt_state)
+    assert [f.key for f in find_hyperparams(mapped)] == [f"lr-{name}"]
+    engine.checkpoint.save(trained, str(tmp_path / "s.ckpt"))
+    loaded, _ = engine.checkpoint.load(str(tmp_path / "s.ckpt"))
+    assert loaded.opt_state.name == name
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt, state=loaded)
+    assert list(req.log) == [f"lr-{name}"]
+
+
+def test_named_optimizers_inside_chains_partitions_and_repeats():
+    opt = optim.partition(
+        {
+            "decay": optim.chain(optim.clip_by_global_norm(1.0), inject(optim.adamw)(lr=0.1)),
+            "no_decay": inject(optim.sgd)(lr=0.2),
+        },
+        _is_matrix,
+    )
+    req = _fire(LearningRateMonitor(), "on_train_epoch_start", opt)
+    assert req.log == {"lr-AdamW/decay": 0.1, "lr-SGD/no_decay": 0.2}
+    params = {"w": torch.zeros(2, 2)}
+    two = {
+        "g": inject(optim.adamw)(lr=1.0).init(params),
+        "d": inject(optim.adam)(lr=2.0).init(params),
+    }
+    assert [f.key for f in find_hyperparams(two)] == ["lr-AdamW", "lr-Adam"]
+
+
+def test_factories_without_a_name_are_named_after_their_state():
+    def my_adam(lr):  # a custom factory: no optimizer_name, so the inner state's class
+        return optim.chain(optim.clip_by_value(1.0), optim.adam(lr))
+
+    state = inject(my_adam)(lr=0.1).init({"w": torch.zeros(2)})
+    assert state.name == ""
+    assert [f.key for f in find_hyperparams(state)] == ["lr-Adam"]
+
+
 def test_name_recorded_in_the_state_wins():
-    state = inject(optim.adamw)(lr=0.1).init({"w": torch.zeros(2)})
-    object.__setattr__(state, "name", "adamw")  # what a future state could record
+    state = inject(optim.adam)(lr=0.1).init({"w": torch.zeros(2)})
+    state = state.replace(name="adamw")  # a lower-case factory name maps to torch's
     assert [f.key for f in find_hyperparams(state)] == ["lr-AdamW"]
 
 

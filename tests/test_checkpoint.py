@@ -597,3 +597,36 @@ def test_struct_names_written_before_the_purestep_namespace_still_load(tmp_path)
     old["type"] = "os:system"
     with pytest.raises(ck.CheckpointError, match="no such @struct class"):
         codec.decode(old)
+
+
+def test_a_field_added_since_the_file_was_written_takes_its_default(tmp_path):
+    """``InjectHyperparamsState.name`` came later: an older file without it loads (the
+    default alone, or the target's value when restored into one); a missing field with no
+    default is still an error naming the fields."""
+    net = nn.Linear(3, 2)
+    opt = optim.inject_hyperparams(optim.adamw)(lr=1e-3)
+    state = engine.init(net, opt, seed=0)
+    ck.save(state, str(tmp_path / "new.ckpt"))
+    raw = torch.load(str(tmp_path / "new.ckpt"), weights_only=True)
+
+    def strip(node, field):
+        if isinstance(node, dict):
+            out = {k: strip(v, field) for k, v in node.items()}
+            if out.get("__kind__") == "struct" and field in out.get("static", {}):
+                del out["static"][field]
+            if out.get("__kind__") == "struct" and field in out.get("data", {}):
+                del out["data"][field]
+            return out
+        return [strip(v, field) for v in node] if isinstance(node, list) else node
+
+    torch.save({**raw, "state": strip(raw["state"], "name")}, str(tmp_path / "old.ckpt"))
+    plain, _ = ck.load(str(tmp_path / "old.ckpt"))
+    assert plain.opt_state.name == ""
+    tree.assert_trees_equal(plain.opt_state.inner_state, state.opt_state.inner_state)
+    restored, _ = ck.load(str(tmp_path / "old.ckpt"), target=engine.init(net, opt, seed=1))
+    assert restored.opt_state.name == "AdamW"
+    tree.assert_trees_equal(restored.params, state.params)
+
+    torch.save({**raw, "state": strip(raw["state"], "count")}, str(tmp_path / "bad.ckpt"))
+    with pytest.raises(ck.CheckpointError, match="fields"):
+        ck.load(str(tmp_path / "bad.ckpt"))

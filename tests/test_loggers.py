@@ -2,26 +2,34 @@
 
 Files are written to pytest's ``tmp_path`` or to fsspec's ``memory://`` filesystem (under a
 fresh random root per test, removed afterwards). TensorBoard files are read back with
-TensorBoard's own ``EventAccumulator``; the YAML with our reader and, when installed, PyYAML.
+TensorBoard's own ``EventAccumulator``; the YAML with ``load_yaml`` and PyYAML's ``safe_load``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import enum
 import io
 import math
 import os
+import pathlib
 import uuid
 
 import fsspec
+import numpy as np
 import pytest
 import torch
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
+from torch.utils.data import DataLoader, TensorDataset
 
+from purestep.engine import optim
+from purestep.loops import Trainer
+from purestep.loops.callbacks import ModelCheckpoint
 from purestep.loops.loggers import (
     STATUSES,
     CSVLogger,
@@ -36,6 +44,7 @@ from purestep.loops.loggers import (
     run_dir,
 )
 from purestep.loops.loggers.hparams_yaml import to_plain
+from tests.helpers import mlp
 
 MEMORY = fsspec.filesystem("memory")
 
@@ -350,7 +359,6 @@ def test_yaml_round_trip(value):
 
 @given(value=yaml_value)
 def test_yaml_is_read_the_same_by_pyyaml(value):
-    yaml = pytest.importorskip("yaml")
     assert yaml.safe_load(dump_yaml(value)) == value
 
 
@@ -369,13 +377,12 @@ def test_yaml_tricky_strings_stay_strings():
 
 
 def test_pyyaml_reads_tricky_strings_the_same():
-    yaml = pytest.importorskip("yaml")
     assert yaml.safe_load(dump_yaml(TRICKY_DATA)) == TRICKY_DATA
 
 
 def test_yaml_special_floats_and_format():
     text = dump_yaml({"a": math.nan, "b": -math.inf, "c": 1e-5, "d": [1, [2]], "e": {}})
-    assert text == "a: .nan\nb: -.inf\nc: 1.0e-05\nd:\n  - 1\n  -\n    - 2\ne: {}\n"
+    assert text == "a: .nan\nb: -.inf\nc: 1.0e-05\nd:\n- 1\n- - 2\ne: {}\n"
     back = load_yaml(text)
     assert math.isnan(back["a"]) and back["b"] == -math.inf and back["c"] == 1e-5
 
@@ -389,12 +396,62 @@ def test_yaml_to_plain_and_errors():
     }
     with pytest.raises(TypeError, match="cannot write Tensor"):
         dump_yaml({"t": torch.ones(1)})
-    with pytest.raises(ValueError, match="line 2: unexpected indentation"):
+    with pytest.raises(ValueError, match="malformed YAML: mapping values"):
         load_yaml("a: 1\n    b: 2\n")
-    with pytest.raises(ValueError, match=r"line 1: unknown escape \\q"):
+    with pytest.raises(ValueError, match="malformed YAML: (?s:.*)unknown escape character 'q'"):
         load_yaml('a: "\\q"\n')
-    with pytest.raises(ValueError, match="line 2: expected a '- ' list item"):
+    with pytest.raises(ValueError, match=r"malformed YAML: (?s:.*)line 2, column 1"):
         load_yaml("- 1\nb: 2\n")
+
+
+class _Choice(str, enum.Enum):
+    FAST = "fast"
+
+
+def test_yaml_plain_values_and_key_order(tmp_path):
+    params = {
+        "z_first": np.float64(0.5),
+        "count": np.int64(3),
+        "flag": np.bool_(True),
+        "dtype": torch.float32,
+        "path": pathlib.Path("/data/x"),
+        "tensor": torch.tensor(2.5),
+        "choice": _Choice.FAST,
+        "betas": (0.9, 0.999),
+        "a_last": {"y": 1, "b": 2},
+    }
+    expected = {
+        "z_first": 0.5,
+        "count": 3,
+        "flag": True,
+        "dtype": "torch.float32",
+        "path": "/data/x",
+        "tensor": 2.5,
+        "choice": "fast",
+        "betas": [0.9, 0.999],
+        "a_last": {"y": 1, "b": 2},
+    }
+    plain = to_plain(params)
+    assert plain == expected
+    assert [type(v) for v in plain.values()] == [type(v) for v in expected.values()]
+    text = dump_yaml(plain)
+    top_keys = [line.split(":")[0] for line in text.splitlines() if line[0] not in " -"]
+    assert top_keys == list(expected)  # the given order, not sorted
+    assert list(load_yaml(text)["a_last"]) == ["y", "b"]
+    assert yaml.safe_load(text) == load_yaml(text) == expected
+    logger = CSVLogger(tmp_path)
+    logger.log_hyperparams(params)
+    written = (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text()
+    assert yaml.safe_load(written) == expected
+
+
+def test_yaml_never_constructs_objects(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(ValueError, match="could not determine a constructor"):
+        load_yaml(f"!!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ValueError, match="could not determine a constructor"):
+        load_yaml(f"a: !!python/object/new:pathlib.PosixPath ['{marker}']\n")
+    assert not marker.exists()
 
 
 # --------------------------------------------------------------------------- TensorBoard
@@ -628,3 +685,142 @@ def test_create_loggers_mirrors_the_trainer_flag(tmp_path):
 def test_logger_is_abstract():
     with pytest.raises(TypeError, match="abstract"):
         Logger()
+
+
+# --------------------------------------------------------------------------- through the Trainer
+
+
+def _tiny_data(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _tiny_loss(apply, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(apply(x), y)
+
+
+def _trainer_fit(root, loggers, max_epochs=2, callbacks=None, ckpt_path=None, **flags):
+    trainer = Trainer(
+        default_root_dir=root,
+        logger=loggers,
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **flags,
+    )
+    trainer.fit(
+        mlp(),
+        _tiny_loss,
+        optim.adam(1e-2),
+        DataLoader(_tiny_data(), batch_size=8),
+        DataLoader(_tiny_data(16, 1), batch_size=8),
+        ckpt_path=ckpt_path,
+    )
+    return trainer
+
+
+def _event_files(folder) -> list[str]:
+    return sorted(p for p in os.listdir(folder) if p.startswith("events.out.tfevents."))
+
+
+def _csv_points(csv_logger) -> dict[str, list[tuple[int, float]]]:
+    """Every (step, value) of each metric of ``metrics.csv``, as TensorBoard stores it (f32)."""
+    columns, rows = read_csv(csv_logger.metrics_file)
+    return {
+        c: [(int(r["step"]), float(np.float32(r[c]))) for r in rows if r[c] != ""]
+        for c in columns
+        if c != "step"
+    }
+
+
+def _tb_points(folder) -> dict[str, list[tuple[int, float]]]:
+    events = read_events(folder)
+    return {tag: scalars(events, tag) for tag in events.Tags()["scalars"]}
+
+
+def test_trainer_loggers_share_one_version_and_the_checkpoints_follow(tmp_path):
+    root = str(tmp_path)
+    logs = tmp_path / "lightning_logs"
+    first = _trainer_fit(root, [CSVLogger(root), TensorBoardLogger(root)])
+    csv_logger, tb_logger = first.loggers
+    assert csv_logger.log_dir == tb_logger.log_dir == first.log_dir == str(logs / "version_0")
+    assert sorted(os.listdir(logs)) == ["version_0"]
+    assert sorted(os.listdir(logs / "version_0")) == [
+        "checkpoints",
+        *_event_files(logs / "version_0"),
+        "metrics.csv",
+    ]
+    assert os.listdir(logs / "version_0" / "checkpoints") == ["epoch=1-step=8.ckpt"]
+
+    second = _trainer_fit(root, [TensorBoardLogger(root), CSVLogger(root)])
+    assert {lg.version for lg in second.loggers} == {1}
+    assert sorted(os.listdir(logs)) == ["version_0", "version_1"]
+    assert os.listdir(logs / "version_1" / "checkpoints") == ["epoch=1-step=8.ckpt"]
+
+    # an explicit version is the logger's own; the others still pick a new one together
+    third = _trainer_fit(
+        root, [CSVLogger(root, version=7), TensorBoardLogger(root), CSVLogger(root, name="b")]
+    )
+    assert [lg.version for lg in third.loggers] == [7, 2, 2]
+    assert third.log_dir == str(logs / "version_7")
+    assert os.listdir(logs / "version_7" / "checkpoints") == ["epoch=1-step=8.ckpt"]
+    named = [CSVLogger(root, version="run_a"), TensorBoardLogger(root, version="run_b")]
+    assert [lg.log_dir for lg in create_loggers(named, root)] == [
+        str(logs / "run_a"),
+        str(logs / "run_b"),
+    ]
+
+
+def test_shared_version_is_free_under_every_root(any_root):
+    make_dirs(any_root, "a/version_0", "a/version_3", "b/version_5")
+    loggers = LoggerCollection(
+        [CSVLogger(any_root, name="a"), MemoryLogger(), TensorBoardLogger(any_root, name="b")]
+    )
+    assert loggers[2].version == 6  # asking any of them picks it for all
+    assert loggers[0].version == 6 and loggers.version == 6
+    # a logger whose version was already picked keeps it
+    picked = CSVLogger(any_root, name="a")
+    assert picked.version == 4
+    again = create_loggers([picked, CSVLogger(any_root, name="b")], any_root)
+    assert [lg.version for lg in again] == [4, 6]
+
+
+def test_trainer_resume_stays_in_its_version_and_tensorboard_keeps_one_file_per_run(tmp_path):
+    root = str(tmp_path)
+    run = tmp_path / "lightning_logs" / "version_0"
+    every = ModelCheckpoint(save_top_k=-1)
+    killed = _trainer_fit(
+        root,
+        [CSVLogger(root), TensorBoardLogger(root)],
+        max_epochs=30,
+        callbacks=[every],
+        log_every_n_steps=1,
+    )
+    assert killed.log_dir == str(run)
+    # one event file for the whole run, holding every point the CSV holds
+    assert len(_event_files(run)) == 1
+    points = _csv_points(killed.loggers[0])
+    assert len(points["train_loss"]) == 120 and len(points["val_loss"]) == 30
+    assert _tb_points(run) == points
+
+    # resume from an earlier checkpoint: the steps the "killed" run logged after it are
+    # superseded, in both loggers, in the same folder; the resume adds one event file
+    resumed = _trainer_fit(
+        root,
+        [CSVLogger(root), TensorBoardLogger(root)],
+        max_epochs=32,
+        callbacks=[ModelCheckpoint(save_top_k=-1)],
+        log_every_n_steps=1,
+        ckpt_path=str(run / "checkpoints" / "epoch=9-step=40.ckpt"),
+    )
+    assert [lg.log_dir for lg in resumed.loggers] == [str(run), str(run)]
+    assert sorted(os.listdir(tmp_path / "lightning_logs")) == ["version_0"]
+    assert len(_event_files(run)) == 2
+    points = _csv_points(resumed.loggers[0])
+    assert len(points["train_loss"]) == 128 and len(points["val_loss"]) == 32
+    steps = [s for s, _ in points["train_loss"]]
+    assert steps == sorted(set(steps))  # no step twice
+    assert _tb_points(run) == points

@@ -11,6 +11,7 @@ offending node.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from typing import Any
 
@@ -102,6 +103,20 @@ def _struct_class(name: str) -> type:
     return cls
 
 
+_NO_DEFAULT = object()
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The default a struct field declares (a later version's new field), or ``_NO_DEFAULT``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return _NO_DEFAULT
+
+
 def decode(data: Any, path: str = "") -> Any:
     """The value ``encode`` turned into ``data``; a malformed node is a ``CheckpointError``
     naming its path."""
@@ -138,6 +153,10 @@ def _decode_node(data: dict[str, Any], path: str) -> Any:
         fields = dict(data["data"])
         fields.update(data["static"])
         expected = cls.__struct_fields__
+        for name in expected - set(fields):  # added since the file was written: its default
+            default = _field_default(cls, name)
+            if default is not _NO_DEFAULT:
+                fields[name] = encode(default)
         if set(fields) != expected:
             raise CheckpointError(
                 f"{data['type']} at {path or 'the root'} has fields {sorted(fields)} in the "

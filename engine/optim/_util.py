@@ -90,6 +90,17 @@ def evaluates_schedules(*names: str) -> Callable[[Any], Any]:
     return mark
 
 
+def optimizer_name(name: str) -> Callable[[Any], Any]:
+    """Mark a transform factory as the optimizer torch calls ``name`` (``factory.optimizer_name``,
+    e.g. ``"AdamW"``); ``inject_hyperparams`` records it in its state for the LR monitor."""
+
+    def mark(factory: Any) -> Any:
+        factory.optimizer_name = name
+        return factory
+
+    return mark
+
+
 def learning_rate(lr: Any) -> Schedule:
     """``lr`` (a non-negative number, a one-element tensor or a schedule) as ``count -> float``.
 

@@ -31,6 +31,7 @@ class AdagradState:
     sum: dict[str, Tensor]
 
 
+@_util.optimizer_name("Adagrad")
 @_util.evaluates_schedules("lr")
 def adagrad(
     lr: Any = 1e-2,

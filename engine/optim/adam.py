@@ -39,6 +39,7 @@ class AdamState:
     max_exp_avg_sq: dict[str, Tensor]
 
 
+@_util.optimizer_name("Adam")
 @_util.evaluates_schedules("lr")
 def adam(
     lr: Any = 1e-3,
@@ -53,6 +54,7 @@ def adam(
     return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
 
 
+@_util.optimizer_name("AdamW")
 @_util.evaluates_schedules("lr")
 def adamw(
     lr: Any = 1e-3,

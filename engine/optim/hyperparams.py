@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from purestep.engine.tree import struct
+from purestep.engine.tree import field, struct
 
 from .base import GradientTransformation, Params, Updates, step
 
@@ -40,11 +40,13 @@ Tensor = torch.Tensor
 @struct
 class InjectHyperparamsState:
     """``count``: updates so far; ``hyperparams``: name -> 0-d float64 tensor (or a tuple of
-    them); ``inner_state``: the wrapped transform's state."""
+    them); ``inner_state``: the wrapped transform's state; ``name``: the optimizer's torch
+    class name when the factory declares one (``"AdamW"`` for ``adamw``), else ``""``."""
 
     count: int
     hyperparams: dict[str, Any]
     inner_state: Any
+    name: str = field(static=True, default="")
 
 
 def _is_scalar(value: Any) -> bool:
@@ -75,6 +77,7 @@ def inject_hyperparams(
     """Wrap ``factory`` so that its float / schedule arguments live in the state."""
     sig = inspect.signature(factory)
     own_schedules = frozenset(getattr(factory, "schedule_args", ()))
+    torch_name = getattr(factory, "optimizer_name", "")
     static = frozenset(static_args)
     unknown = sorted(static - set(sig.parameters))
     if unknown:
@@ -127,17 +130,17 @@ def inject_hyperparams(
 
         def init(params: Params) -> InjectHyperparamsState:
             values, stored = evaluate(0, None)
-            return InjectHyperparamsState(0, stored, build(values).init(params))
+            return InjectHyperparamsState(0, stored, build(values).init(params), torch_name)
 
         def update(updates: Updates, state: InjectHyperparamsState, params: Params | None = None):
             values, stored = evaluate(state.count, state.hyperparams)
             out, inner = build(values).update(updates, state.inner_state, params)
-            return out, InjectHyperparamsState(state.count + 1, stored, inner)
+            return out, InjectHyperparamsState(state.count + 1, stored, inner, torch_name)
 
         def apply(grads: Updates, state: InjectHyperparamsState, params: Params) -> tuple:
             values, stored = evaluate(state.count, state.hyperparams)
             new_params, inner = step(build(values), grads, state.inner_state, params)
-            return new_params, InjectHyperparamsState(state.count + 1, stored, inner)
+            return new_params, InjectHyperparamsState(state.count + 1, stored, inner, torch_name)
 
         return GradientTransformation(init, update, apply)
 

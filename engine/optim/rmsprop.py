@@ -33,6 +33,7 @@ class RMSpropState:
     grad_avg: dict[str, Tensor]
 
 
+@_util.optimizer_name("RMSprop")
 @_util.evaluates_schedules("lr")
 def rmsprop(
     lr: Any = 1e-2,

@@ -36,6 +36,7 @@ class SGDState:
     momentum_buffer: dict[str, Tensor]
 
 
+@_util.optimizer_name("SGD")
 @_util.evaluates_schedules("lr")
 def sgd(
     lr: Any = 1e-3,

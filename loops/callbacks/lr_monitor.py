@@ -6,6 +6,10 @@ callback walks ``ctx.state.opt_state`` (through chains, masks, partitions and an
 wrapper state), finds each injected learning rate and logs it under Lightning's names:
 ``lr-<Optimizer>``, with ``/<label>`` (or ``/pg<i>``) for each partition it sits in, a
 ``-1``, ``-2`` suffix for repeats, and ``-momentum`` / ``-weight_decay`` for the others.
+
+``<Optimizer>`` is torch's class name for the named optimizers, which the injected state
+records (``lr-SGD``, ``lr-Adam``, ``lr-AdamW``, ``lr-RMSprop``, ``lr-Adagrad``); for other
+factories it is the inner optimizer state's class name less ``State``.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ def _walk(node: Any, groups: tuple[str, ...], found: list) -> None:
 
 
 def _optimizer_name(state: InjectHyperparamsState) -> str:
-    """The name the state records, else its inner optimizer state's class less ``State``."""
+    """The name the state records (``optim.adamw``'s: ``AdamW``), else its inner optimizer
+    state's class less ``State``."""
     recorded = getattr(state, "name", None)
     if isinstance(recorded, str) and recorded:
         return _TORCH_NAMES.get(recorded, recorded)

@@ -11,7 +11,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
-from .base import Logger, check_status
+from .base import FolderLogger, Logger, check_status
+from .folders import share_version
 from .tensorboard import TensorBoardLogger
 
 __all__ = ["LoggerCollection", "create_loggers"]
@@ -29,10 +30,12 @@ class LoggerCollection(Logger, Sequence[Logger]):
     ``name``, ``version``, ``save_dir``, ``root_dir`` and ``log_dir`` are the first
     logger's (``None`` when empty), as the loops use the first logger's folder.
     ``state()`` is the list of the loggers' states; ``restore`` takes that list back.
+    The file loggers among them share one version (see ``create_loggers``).
     """
 
     def __init__(self, loggers: Iterable[Logger] = ()) -> None:
         self._loggers = [_check_logger(lg, "each item of LoggerCollection") for lg in loggers]
+        _share_version(self._loggers)
 
     @overload
     def __getitem__(self, index: int) -> Logger: ...
@@ -123,18 +126,29 @@ def create_loggers(logger_flag: Any, default_root_dir: str | os.PathLike[str]) -
 
     ``True``: one ``TensorBoardLogger(save_dir=default_root_dir)``; ``False``/``None``: none;
     a ``Logger`` or an iterable of ``Logger``s: those, as given. Anything else: ``TypeError``.
+
+    Several file loggers share one run version, as in Lightning: those without an explicit
+    (or already picked) version all take the first ``version_N`` free under each of their
+    folders, so ``[CSVLogger(root), TensorBoardLogger(root)]`` write into one ``version_N``.
     """
     if logger_flag is True:
         return [TensorBoardLogger(save_dir=default_root_dir)]
     if logger_flag is False or logger_flag is None:
         return []
     if isinstance(logger_flag, LoggerCollection):
-        return list(logger_flag)
-    if isinstance(logger_flag, Logger):
+        loggers = list(logger_flag)
+    elif isinstance(logger_flag, Logger):
         return [logger_flag]
-    if isinstance(logger_flag, Iterable) and not isinstance(logger_flag, (str, bytes, Mapping)):
-        return [_check_logger(lg, "each item of the logger flag") for lg in logger_flag]
-    raise TypeError(
-        "logger must be True, False, None, a Logger or a list of Loggers, got "
-        f"{type(logger_flag).__name__} {logger_flag!r}"
-    )
+    elif isinstance(logger_flag, Iterable) and not isinstance(logger_flag, (str, bytes, Mapping)):
+        loggers = [_check_logger(lg, "each item of the logger flag") for lg in logger_flag]
+    else:
+        raise TypeError(
+            "logger must be True, False, None, a Logger or a list of Loggers, got "
+            f"{type(logger_flag).__name__} {logger_flag!r}"
+        )
+    _share_version(loggers)
+    return loggers
+
+
+def _share_version(loggers: Sequence[Logger]) -> None:
+    share_version([lg._folder for lg in loggers if isinstance(lg, FolderLogger)])

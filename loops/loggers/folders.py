@@ -4,6 +4,10 @@ Every run of an experiment gets its own folder under ``<save_dir>/<name>``: ``ve
 with ``N`` one more than the largest existing ``version_<digits>`` folder (0 when there is
 none), or the folder the user names. The CSV and TensorBoard loggers share this so their
 runs line up, and so a resumed run can adopt the folder its checkpoint recorded.
+
+Several loggers of one run share one version (``share_version``), as in Lightning: the
+first one asked picks the smallest ``N`` that is free under every one of their roots, and
+all of them take it; a logger given an explicit version keeps its own.
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["RunFolder", "check_version", "is_local", "join", "next_version", "run_dir", "url_to_fs"]
+__all__ = [
+    "RunFolder",
+    "check_version",
+    "is_local",
+    "join",
+    "next_version",
+    "run_dir",
+    "share_version",
+    "url_to_fs",
+]
 
 _VERSION_DIR = re.compile(r"version_(\d+)")
 
@@ -117,6 +130,7 @@ class RunFolder:
         self.given_version = check_version(version)
         self.sub_dir = sub_dir or None
         self._version = self.given_version
+        self._shared: list[RunFolder] | None = None  # the folders picking one version with us
 
     @property
     def root_dir(self) -> str:
@@ -125,8 +139,12 @@ class RunFolder:
 
     @property
     def version(self) -> int | str:
-        if self._version is None:
-            self._version = next_version(*url_to_fs(self.root_dir))
+        # Asking any folder of a shared group picks the version of all that have none yet.
+        pending = [f for f in self._shared or [self] if f._version is None]
+        if pending:
+            version = max(next_version(*url_to_fs(f.root_dir)) for f in pending)
+            for folder in pending:
+                folder._version = version
         return self._version
 
     @property
@@ -145,3 +163,16 @@ class RunFolder:
                 f"{version!r}) to continue that run"
             )
         self._version = version
+
+
+def share_version(folders: list[RunFolder]) -> None:
+    """Make the ``folders`` without a version yet pick one together, on first use.
+
+    The first time any of them is asked for its version (before anything is written), the
+    ones without a version take ``max(next_version(root))`` over their roots, so that
+    ``version_N`` is new under each. Folders with a given, adopted or already picked
+    version keep it.
+    """
+    group = list(folders)
+    for folder in group:
+        folder._shared = group

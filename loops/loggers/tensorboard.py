@@ -4,11 +4,16 @@ Scalars go through ``add_scalar``, text through ``add_text``, hyper-parameters t
 hparams plugin's summaries (with ``hp_metric = -1`` when no metric is given and
 ``default_hp_metric``), plus an ``hparams.yaml`` in the run folder.
 
-Durability: tensorboardX queues events for a writer thread, and its ``flush()`` writes only
-what that thread has taken. So ``save()`` is best effort (it flushes, and events reach the
-file within ``flush_secs``), while ``state()``, ``truncate_after()`` and ``finalize()`` close the
-writer, which writes every queued event; logging afterwards opens a new event file. Do not
-keep a reference to ``experiment`` across those calls.
+One event file per run: the writer is opened on first use and kept until ``finalize()``
+(a resume or ``truncate_after`` adds one more, see below), as TensorBoard users expect.
+
+Durability: tensorboardX's own writer queues events for a thread, and its ``flush()`` writes
+only what that thread has taken, so making sure everything is in the file meant closing the
+writer (and a new event file at the next event). Here the ``SummaryWriter`` writes each
+event to its file as it is added (no queue, no thread; ``max_queue`` and ``flush_secs`` have
+no effect), so ``save()`` and ``state()`` flush everything logged so far into the one file.
+Do not keep a reference to ``experiment`` across ``truncate_after()``, ``restore()`` or
+``finalize()``, which close the writer.
 
 Other filesystems: tensorboardX writes only to local disk (and its own s3/gs clients), so for
 a non-local fsspec URL the writer works in a local temporary folder and ``save()`` /
@@ -26,15 +31,21 @@ driver may skip it).
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import directory_check
 from tensorboardX.summary import hparams as hparams_summaries
+from tensorboardX.writer import FileWriter
 
 from .base import (
     FolderLogger,
@@ -61,6 +72,69 @@ def _unique_suffix() -> str:
     return f".{_last_suffix_ns:020d}"
 
 
+class _EventFile:
+    """tensorboardX's ``EventFileWriter`` without its queue and thread: an event is written to
+    the file when it is added, so ``flush()`` puts everything added so far in the file."""
+
+    def __init__(self, logdir: str, filename_suffix: str) -> None:
+        self._logdir = logdir
+        directory_check(logdir)
+        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix)
+        self._closed = False
+
+    def get_logdir(self) -> str:
+        return self._logdir
+
+    def add_event(self, event: Event) -> None:
+        if not self._closed:
+            self._events.write_event(event)
+
+    def flush(self) -> None:
+        if not self._closed:
+            self._events.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._events.close()
+            self._closed = True
+
+    def reopen(self) -> None:
+        """Nothing: a closed file stays closed (the logger opens a new writer instead)."""
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    events = ref()
+    if events is not None:
+        events.close()
+
+
+class _FileWriter(FileWriter):
+    """A ``FileWriter`` over an ``_EventFile`` (``add_summary`` etc. as tensorboardX's)."""
+
+    def __init__(self, logdir: str, filename_suffix: str = "") -> None:
+        self.event_writer = _EventFile(str(logdir), filename_suffix)
+        self._default_metadata = {}
+        atexit.register(_close_at_exit, weakref.ref(self.event_writer))
+
+
+class _SummaryWriter(SummaryWriter):
+    """tensorboardX's ``SummaryWriter`` writing synchronously into one event file."""
+
+    def _get_file_writer(self) -> FileWriter:
+        if not self._write_to_disk:
+            return super()._get_file_writer()
+        if self.all_writers is None or self.file_writer is None:
+            self.file_writer = _FileWriter(self.logdir, self._filename_suffix)
+            if self.purge_step is not None:  # as tensorboardX writes it
+                self.file_writer.add_event(
+                    Event(step=self.purge_step, file_version="brain.Event:2")
+                )
+                start = SessionLog(status=SessionLog.START)
+                self.file_writer.add_event(Event(step=self.purge_step, session_log=start))
+            self.all_writers = {self.file_writer.get_logdir(): self.file_writer}
+        return self.file_writer
+
+
 def _hparam_value(value: Any) -> bool | int | float | str:
     """A value TensorBoard's hparams plugin can show: numbers, bools and strings."""
     if isinstance(value, (bool, int, float, str)):
@@ -74,7 +148,9 @@ class TensorBoardLogger(FolderLogger):
     ``name``/``version``/``prefix`` as for ``CSVLogger``; ``sub_dir`` adds a folder under the
     version folder; ``default_hp_metric`` logs ``hp_metric = -1`` with the hyper-parameters
     when no metrics are given; other keyword arguments go to ``tensorboardX.SummaryWriter``
-    (e.g. ``flush_secs``, ``max_queue``; a ``filename_suffix`` is appended to ours).
+    (e.g. ``comment``, ``write_to_disk``; a ``filename_suffix`` is appended to ours;
+    ``max_queue`` and ``flush_secs`` are accepted and have no effect: events are written as
+    they are logged).
     """
 
     def __init__(
@@ -119,7 +195,7 @@ class TensorBoardLogger(FolderLogger):
                 logdir = self._local_dir
             kwargs = dict(self._writer_kwargs)
             kwargs["filename_suffix"] = _unique_suffix() + kwargs.get("filename_suffix", "")
-            self._writer = SummaryWriter(logdir=logdir, purge_step=self._purge_step, **kwargs)
+            self._writer = _SummaryWriter(logdir=logdir, purge_step=self._purge_step, **kwargs)
             self._purge_step = None
         return self._writer
 
@@ -184,13 +260,13 @@ class TensorBoardLogger(FolderLogger):
         self._note_step(step)
 
     def save(self) -> None:
-        """Flush what the writer thread has written (best effort) and upload it."""
+        """Flush everything logged so far into the event file (and upload it)."""
         if self._writer is not None:
             self._writer.flush()
         self._upload()
 
     def _drain(self) -> None:
-        """Write every queued event (by closing the writer) and upload the files."""
+        """Close the writer (the next event opens a new file) and upload the files."""
         if self._writer is not None:
             self._writer.purge_step = None  # a reopened writer must not purge again
             self._writer.close()
@@ -210,9 +286,9 @@ class TensorBoardLogger(FolderLogger):
     def state(self) -> dict[str, Any]:
         """``{"version", "step"}``: the run folder and the largest step logged (or None).
 
-        Writes every queued event first, so all that the state covers is in the files.
+        Saves first, so all that the state covers is in the event file, which stays open.
         """
-        self._drain()
+        self.save()
         return {"version": self.version, "step": self._last_step}
 
     def restore(self, state: Mapping[str, Any]) -> None:
