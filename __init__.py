@@ -12,27 +12,72 @@ so the folders ``engine/``, ``loops/`` and ``hardware/`` install as its subpacka
 
 from __future__ import annotations
 
+import importlib as _importlib
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
-from . import engine, hardware, loops
-from .engine import (
-    TrainState,
-    checkpoint,
-    eval_step,
-    init,
-    metrics,
-    optim,
-    predict_step,
-    rng,
-    to_module,
-    train_step,
-)
-from .loops import DataModule, Task, Trainer, callbacks, data, loggers
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from . import engine, hardware, loops
+    from .engine import (
+        TrainState,
+        checkpoint,
+        eval_step,
+        init,
+        metrics,
+        optim,
+        predict_step,
+        rng,
+        to_module,
+        train_step,
+    )
+    from .loops import DataModule, Task, Trainer, callbacks, data, loggers
+
+# Where each entry point lives. They are imported on first use, so ``import purestep.engine``
+# (a DataLoader worker, a DDP rank) does not pay for the loops' loggers and progress bars.
+_ENTRY_POINTS = {
+    "engine": ("purestep.engine", None),
+    "hardware": ("purestep.hardware", None),
+    "loops": ("purestep.loops", None),
+    **{
+        name: ("purestep.engine", name)
+        for name in (
+            "TrainState",
+            "checkpoint",
+            "eval_step",
+            "init",
+            "metrics",
+            "optim",
+            "predict_step",
+            "rng",
+            "to_module",
+            "train_step",
+        )
+    },
+    **{
+        name: ("purestep.loops", name)
+        for name in ("DataModule", "Task", "Trainer", "callbacks", "data", "loggers")
+    },
+}
 
 try:
     __version__ = _metadata.version("purestep")
 except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ENTRY_POINTS:
+        raise AttributeError(f"module 'purestep' has no attribute {name!r}")
+    module_name, attribute = _ENTRY_POINTS[name]
+    module = _importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ENTRY_POINTS})
+
 
 __all__ = [
     "DataModule",

@@ -83,7 +83,10 @@ def to_module(state: TrainState, model: nn.Module, *, inplace: bool = False) -> 
     module keeps its tensor objects, dtypes and devices) and returns ``model``.
 
     An ensemble state has one set of weights per member: pick one with
-    ``hardware.member(state, i)``.
+    ``hardware.member(state, i)``. Precision is the strategy's, not the module's: under a
+    ``"*-true"`` precision the weights come back in that dtype and inputs must be cast to it
+    (the steps cast them), and under ``"*-mixed"`` run the module in ``torch.autocast`` to
+    compute what the steps compute.
     """
     values = _slot_values(state, model)
     if inplace:
@@ -97,7 +100,10 @@ def to_module(state: TrainState, model: nn.Module, *, inplace: bool = False) -> 
             for slot, target in _slot_tensors(model):
                 target.copy_(values[slot])
         return model
-    clone = copy.deepcopy(model)
+    # The template's own tensors are shared by the deep copy, not copied (every slot gets
+    # the state's tensor below), so a large model is not held twice on its device.
+    memo = {id(t): t for _, t in _slot_tensors(model)}
+    clone = copy.deepcopy(model, memo)
     made: dict[int, torch.Tensor] = {}  # one new tensor per state tensor: ties stay tied
     for slot, old in list(_slot_tensors(clone)):
         source = values[slot]

@@ -80,8 +80,10 @@ def check_signature(fn: Any, what: str, *, method: bool = False) -> None:
     names = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
     if method:
         names = names[1:]
-    lightning = (names[:1] == ["batch"]) or (len(names) > 1 and names[1] in _INDEX_NAMES)
-    if not lightning:
+    lightning = len(names) > 1 and names[1] in _INDEX_NAMES
+    # ``(batch)`` alone is Lightning's shape too; ``(batch, model)`` has them swapped.
+    swapped = names[:1] == ["batch"] and not lightning
+    if not (lightning or swapped):
         return
     short = what.rsplit(" ", 1)[-1]
     body = (
@@ -98,8 +100,13 @@ def check_signature(fn: Any, what: str, *, method: bool = False) -> None:
         subject = f"{name if name == short else f'{what} {name}'}({', '.join(names)})"
         expects = f"{short}(apply, batch)"
         example = f"def {short}(apply, batch): {body}"
+    shape = (
+        "has PyTorch Lightning's step signature (batch, batch_idx)"
+        if lightning or len(names) == 1
+        else "takes the batch first: its parameters look swapped"
+    )
     raise TypeError(
-        f"{subject} has PyTorch Lightning's step signature (batch, batch_idx); purestep "
+        f"{subject} {shape}; purestep "
         f"calls {expects}, where apply is the model bound to the state's tensors (call it "
         f"like the module: apply(x)) and no batch index is passed. For example: {example}"
     )

@@ -48,8 +48,6 @@ def _default_kind(fn: Any) -> str | None:
         return None
     if func is Task.predict_step:  # a Task that does not define predict_step
         return "inputs"
-    if getattr(owner, "_predict_fn", None) is default_predict:  # a Task.wrap that delegates
-        return "inputs"
     return None
 
 

@@ -18,6 +18,7 @@ A ``DataModule`` groups data preparation and the dataloaders (``prepare_data``, 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -64,8 +65,10 @@ class Task:
                 user_errors.check_signature(attr.__func__, name)
             elif isinstance(attr, classmethod):
                 user_errors.check_signature(attr.__func__, name, method=True)
-            elif callable(attr):
+            elif inspect.isfunction(attr):  # bound to the instance: skip ``self``
                 user_errors.check_signature(attr, name, method=True)
+            elif callable(attr):  # a partial or callable object is called as it is
+                user_errors.check_signature(attr, name)
 
     def __init__(self, model: nn.Module | None = None, hparams: dict[str, Any] | None = None):
         self.model = model

@@ -131,14 +131,15 @@ def parse_flag(text: str, annotation: Any, source: str = "the value") -> Any:
         return parse_value(text)
     word = text.strip().lower()
     only_bool = types <= {"bool", "None"}
-    if word in _TRUE_WORDS or (only_bool and word == "1"):
+    digits_are_bools = "int" not in types  # fast_dev_run (int | bool): 1 means one batch
+    if word in _TRUE_WORDS or (digits_are_bools and word == "1"):
         return True
-    if word in _FALSE_WORDS or (only_bool and word == "0"):
+    if word in _FALSE_WORDS or (digits_are_bools and word == "0"):
         return False
-    if not only_bool:  # e.g. fast_dev_run (int | bool), deterministic (bool | str | None)
-        return parse_value(text)
     if word == "none" and "None" in types:
         return None
+    if not only_bool:  # e.g. fast_dev_run (int | bool), deterministic (bool | str | None)
+        return parse_value(text)
     accepted = BOOL_SPELLINGS + (", None" if "None" in types else "")
     raise ValueError(f"{source}={text!r} is not a boolean; accepted (any case): {accepted}")
 

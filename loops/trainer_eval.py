@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from purestep import engine
-from purestep.engine import optim
+from purestep.engine import optim, user_errors
 from purestep.engine.state import TrainState
 
 from .evaluate import evaluate as run_evaluate
@@ -56,10 +56,12 @@ def eval_target(
             task = fitted
         elif fn is None:
             raise TypeError("an nn.Module needs fn=(apply, batch) -> loss/metrics to evaluate")
-        elif method == "predict_step":
-            task = Task.wrap(model, fn, optim.identity(), predict_fn=fn)
-        else:
-            task = Task.wrap(model, fn, optim.identity())
+        else:  # checked as what it is, before Task.wrap checks it as a loss function
+            user_errors.check_signature(fn, f"{method} fn")
+            if method == "predict_step":
+                task = Task.wrap(model, fn, optim.identity(), predict_fn=fn)
+            else:
+                task = Task.wrap(model, fn, optim.identity())
     else:
         raise TypeError(
             f"expected a TrainState, a Task or an nn.Module, got {type(model).__name__}"

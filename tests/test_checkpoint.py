@@ -630,3 +630,34 @@ def test_a_field_added_since_the_file_was_written_takes_its_default(tmp_path):
     torch.save({**raw, "state": strip(raw["state"], "count")}, str(tmp_path / "bad.ckpt"))
     with pytest.raises(ck.CheckpointError, match="fields"):
         ck.load(str(tmp_path / "bad.ckpt"))
+
+
+_USER_STRUCT = """
+import torch
+import engine  # the user's own engine.py, beside the script
+from purestep import checkpoint, init, optim
+state = init(torch.nn.Linear(2, 1), optim.sgd(0.1), seed=0)
+state = state.replace(extra={"counter": engine.Counter(3)})
+checkpoint.save(state, "user.ckpt")
+loaded, _ = checkpoint.load("user.ckpt")
+assert type(loaded.extra["counter"]) is engine.Counter and loaded.extra["counter"].n == 3
+print("ok")
+"""
+
+
+def test_a_users_struct_in_a_module_named_engine_still_loads(tmp_path):
+    """Old names are read with the ``purestep.`` prefix only when the name as written is no
+    registered class: a user's own ``engine.py`` struct keeps its name."""
+    (tmp_path / "engine.py").write_text(
+        "from purestep.engine.tree import struct\n\n@struct\nclass Counter:\n    n: int\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", _USER_STRUCT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -83,6 +83,7 @@ def _readme_order(prefixes: list[str]) -> list[str]:
     return sorted(prefixes, key=lambda p: next(i for i, f in enumerate(firsts) if f.startswith(p)))
 
 
+@pytest.mark.bitwise
 @runs(TOUR, TOUR_TRAINER, STEPS, PRECISION, CHECKPOINT)
 def test_the_tour_steps_precision_and_checkpoint_blocks_run_in_order(capsys):
     from purestep import engine

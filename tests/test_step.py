@@ -53,6 +53,7 @@ def test_step_does_not_touch_the_callers_global_rng():
     assert torch.equal(torch.rand(4), expected)
 
 
+@pytest.mark.bitwise
 def test_dropout_masks_depend_on_the_step_key_only():
     _, state, step = _state_and_step(batchnorm=False)
     batch = batches(1)[0]

@@ -42,6 +42,7 @@ def _snapshot(module):
     return {k: v.clone() for k, v in module.state_dict(keep_vars=False).items()}
 
 
+@pytest.mark.bitwise
 def test_forward_equals_the_engine_bitwise_and_batchnorm_stats_come_back():
     net = _net()
     before = _snapshot(net)

@@ -110,6 +110,12 @@ def test_optional_boolean_flags_take_none_and_mixed_flags_keep_their_other_value
     assert Trainer(logger=False).deterministic == "warn"
     monkeypatch.setenv(ENV_PREFIX + "DETERMINISTIC", "Off")
     assert Trainer(logger=False).deterministic is False
+    monkeypatch.setenv(ENV_PREFIX + "DETERMINISTIC", "1")  # no int in its type: a boolean
+    assert Trainer(logger=False).deterministic is True
+    monkeypatch.setenv(ENV_PREFIX + "DETERMINISTIC", "NONE")
+    assert Trainer(logger=False).deterministic is None
+    monkeypatch.setenv(ENV_PREFIX + "FAST_DEV_RUN", "1")  # int | bool: one batch
+    assert Trainer(logger=False).config.fast_dev_run == 1
 
 
 @pytest.mark.parametrize(

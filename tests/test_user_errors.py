@@ -334,3 +334,53 @@ def test_describe_function_names_partials_and_objects():
         "functools.partial(three)"
     )
     assert user_errors.describe_function(CallableLoss()) == "CallableLoss.__call__"
+
+
+def test_swapped_parameters_are_named_as_such():
+    with pytest.raises(TypeError, match=r"parameters look swapped") as info:
+        engine.train_step(net(), lambda batch, model: batch, optim.sgd(0.1))
+    assert "(apply, batch)" in str(info.value)
+
+
+def swapped_scale(scale, apply, batch):
+    return good_loss(apply, batch) * scale
+
+
+def test_task_attributes_that_are_not_functions_are_checked_as_called():
+    """A partial or callable object on the class is not bound to the instance, so it is
+    called as ``(apply, batch)`` and checked so (not as a method whose ``self`` comes first)."""
+
+    class WithPartial(Task):
+        training_step = functools.partial(swapped_scale, 2.0)
+
+    class WithObject(Task):
+        training_step = CallableLoss()
+
+    model = net()
+    for cls in (WithPartial, WithObject):
+        task = cls(model)
+        state = engine.init(model, optim.sgd(0.1))
+        _, out = engine.train_step(model, task.training_step, optim.sgd(0.1))(state, dict_batch())
+        assert out.loss.dim() == 0
+    with pytest.raises(TypeError, match="Lightning's step signature"):
+
+        class WithLightningPartial(Task):
+            training_step = functools.partial(lightning_loss)
+
+    with pytest.raises(TypeError, match="Lightning's step signature"):
+
+        class WithLightningObject(Task):
+            training_step = type("L", (), {"__call__": lambda self, batch, batch_idx: 0})()
+
+
+def test_an_evaluation_fn_with_a_lightning_signature_is_named_as_such():
+    from purestep import Trainer
+
+    def my_predict(batch, batch_idx):
+        return batch
+
+    with pytest.raises(TypeError, match=r"predict") as info:
+        Trainer(enable_progress_bar=False, logger=False).predict(
+            net(), [dict_batch()], fn=my_predict
+        )
+    assert "loss_fn" not in str(info.value)

@@ -85,9 +85,10 @@ def _key(key: Any, path: str) -> Any:
 
 
 def _struct_class(name: str) -> type:
-    if name.split(".")[0].split(":")[0] in _LEGACY_PACKAGES:
+    cls = STRUCTS.get(name)  # as written: a user's own module may be named ``engine``
+    if cls is None and name.split(".")[0].split(":")[0] in _LEGACY_PACKAGES:
         name = f"{_OWN_PACKAGE}.{name}"
-    cls = STRUCTS.get(name)
+        cls = STRUCTS.get(name)
     if cls is None:
         module = name.partition(":")[0]
         if module.split(".")[0] == _OWN_PACKAGE:
