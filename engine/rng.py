@@ -61,6 +61,8 @@ class Purpose:
     NOISE = 6
     WORKER = 7
     SAMPLE = 8
+    #: the global streams around one sample's ``dataset[i]`` (``loops.data.sample_rng``)
+    SAMPLE_RNG = 9
 
 
 def _mix(z: int) -> int:

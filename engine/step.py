@@ -37,6 +37,7 @@ from torch import nn
 
 from . import optim, rng, user_errors
 from .bind import Binder, canonical_names
+from .optim.nonfinite import skip_count
 from .state import Progress, TrainState, trainable_names
 from .strategy import Local, Strategy
 from .tree import combine_norms, leaves, map, struct
@@ -80,7 +81,8 @@ class StepOutput:
     norms in ``grad_norms`` and combined on access, as ``clip_grad_norm_`` combines them,
     so a loop that never looks pays only for one foreach op); ``stepped`` whether
     an optimizer step happened on this call; ``skipped`` whether that step was skipped
-    because the float16 gradients were not finite.
+    (float16 gradients that overflowed, or ``optim.skip_nonfinite``). A skipped step leaves
+    the parameters, the optimizer state and the buffers as they were before its micro-batch.
     """
 
     loss: torch.Tensor
@@ -102,13 +104,16 @@ class Gradients:
 
     ``grads`` is None while an accumulation window is open (``ready`` is False then);
     ``finite`` is False when float16 gradients overflowed (``apply`` then skips the update);
-    ``output`` is the step's output so far; ``batch_size`` the samples in the batch.
+    ``output`` is the step's output so far; ``batch_size`` the samples in the batch;
+    ``buffers_before`` the buffers before this micro-batch, which ``apply`` puts back when the
+    optimizer skips the update (None: nothing to put back).
     """
 
     grads: dict[str, torch.Tensor] | None
     finite: bool
     output: StepOutput
     batch_size: int
+    buffers_before: dict[str, torch.Tensor] | None = None
 
     @property
     def ready(self) -> bool:
@@ -349,6 +354,17 @@ def _generators_for(strategy: Strategy, state: TrainState) -> tuple[torch.Genera
     return rng.default_generators(strategy.rng_devices(state.params.values()))
 
 
+def _kept_if_nonfinite(
+    loss: Tensor, new: dict[str, Tensor], old: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """``new`` buffers, except that a micro-batch whose loss is not finite keeps the ``old``
+    values of the buffers it changed (a select on the device: no host sync)."""
+    ok = torch.isfinite(loss.detach()).all()
+    return {
+        n: b if b is old.get(n) else torch.where(ok.to(b.device), b, old[n]) for n, b in new.items()
+    }
+
+
 def _advance(progress: Progress, samples: int, stepped: bool) -> Progress:
     """The counters after one micro-batch of ``samples`` (closing its window if ``stepped``)."""
     if stepped:
@@ -540,6 +556,8 @@ class TrainStep:
         grads = self._accumulated(state, grads)
         output_type = self._output_type
         if not close:
+            if new_buffers:
+                new_buffers = _kept_if_nonfinite(loss, new_buffers, state.buffers)
             if strategy.world_size > 1 and new_buffers:
                 new_buffers = strategy.sync_step_buffers(new_buffers)
             return self._keep_open(
@@ -553,11 +571,14 @@ class TrainStep:
         if scaler is not None:
             grads, finite = scaler.unscale(grads, precision_state)
             precision_state = scaler.adjust(precision_state, finite)
-        if strategy.world_size > 1 and new_buffers:
+        old_buffers = state.buffers
+        if not finite:
+            new_buffers = old_buffers  # a skipped step leaves the buffers as they were
+        elif strategy.world_size > 1 and new_buffers:
             new_buffers = strategy.sync_step_buffers(new_buffers)
         output = output_type(loss, metrics, None, True, not finite)
         state = state.replace(buffers=new_buffers, precision=precision_state)
-        return state, Gradients(grads, finite, output, n)
+        return state, Gradients(grads, finite, output, n, old_buffers if finite else None)
 
     def apply(self, state: TrainState, grads: Gradients) -> tuple[TrainState, StepOutput]:
         """The second half of a step: the optimizer update on gradients from ``backward``.
@@ -570,14 +591,21 @@ class TrainStep:
         values = grads.grads
         norms = self._tensor_norms(values)
         output = grads.output
+        buffers = state.buffers
         if grads.finite:
             if self.donate and output.metrics:
                 output = output.replace(metrics=_unaliased(output.metrics, state))
+            skips = skip_count()
             new_params, opt_state = self._update(state, values, norms)
+            if skip_count() != skips:  # skip_nonfinite skipped the update
+                output = output.replace(skipped=True)
+                if grads.buffers_before is not None:
+                    buffers = grads.buffers_before
         else:
             new_params, opt_state = state.params, state.opt_state
         new_state = state.replace(
             params=new_params,
+            buffers=buffers,
             opt_state=opt_state,
             progress=_advance(state.progress, grads.batch_size, True),
             grad_accum=None,
@@ -668,8 +696,15 @@ class TrainStep:
         """``(owned grads, loss, metrics, new buffers)`` of one micro-batch, with the purity
         checks around the forward pass (see the class doc)."""
         param_versions = [p._version for p in params.values()]
-        if self._donate_backward or not buffers:
+        if not buffers:
             bound, kept, kept_versions = buffers, None, None
+        elif self._donate_backward:
+            # Norm-layer statistics are still copied, so a skipped step can put them back.
+            norm = self._norm_buffers
+            bound = (
+                {n: b.clone() if n in norm else b for n, b in buffers.items()} if norm else buffers
+            )
+            kept, kept_versions = None, None
         else:
             bound, kept, kept_versions = self._bind_buffers(buffers)
         if not self._probed:

@@ -4,12 +4,15 @@ The check costs one host sync (the only ``.item()`` in the optimizers): the max-
 every tensor, which is NaN or Inf exactly when the tensor has a non-finite element (a sum
 or L2 norm could overflow on large finite values). A skipped step leaves the inner state
 and the params untouched (``apply`` returns the same tensor objects; ``update`` returns
-zeros) and counts in ``consecutive`` and ``skipped``.
+zeros) and counts in ``consecutive`` and ``skipped``. It also bumps a per-thread counter,
+``skip_count()``, which a train step reads before and after its optimizer call to learn that
+the step was skipped (and keep its old buffers) without a second host sync.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -19,9 +22,17 @@ from purestep.engine.tree import struct
 from . import _util
 from .base import GradientTransformation, Params, Updates, step
 
-__all__ = ["NonFiniteError", "SkipNonFiniteState", "all_finite", "skip_nonfinite"]
+__all__ = ["NonFiniteError", "SkipNonFiniteState", "all_finite", "skip_count", "skip_nonfinite"]
 
 Tensor = torch.Tensor
+
+
+_SKIPS = threading.local()
+
+
+def skip_count() -> int:
+    """How many updates ``skip_nonfinite`` has skipped in this thread (ever)."""
+    return getattr(_SKIPS, "n", 0)
 
 
 class NonFiniteError(FloatingPointError):
@@ -80,6 +91,7 @@ def skip_nonfinite(
                 "in total); the run is diverging: lower the learning rate, clip the "
                 "gradients or check the loss and the data"
             )
+        _SKIPS.n = getattr(_SKIPS, "n", 0) + 1
         return state.replace(consecutive=consecutive, skipped=state.skipped + 1)
 
     def update(updates: Updates, state: SkipNonFiniteState, params: Params | None = None):

@@ -5,7 +5,9 @@ dataset, tensors, a DataLoader or an iterable into ``Batches``; ``batches.iterat
 start)`` yields the batches of an epoch from any batch on. The order is a pure function of
 (seed, epoch, rank, world size) (``loops.data.order``); starting at batch ``b`` slices the
 index list, so skipped batches are never loaded. ``keyed(dataset, fn)`` gives each sample
-its own generator so augmentations do not depend on the worker count. ``combine`` runs
+its own generator so augmentations do not depend on the worker count; without asking, each
+``dataset[i]`` runs with torch's, ``random``'s and numpy's global streams seeded from (seed,
+epoch, index) (``sample_rng``; ``scope_sample_rng=False`` opts out). ``combine`` runs
 several sources with Lightning's ``CombinedLoader`` modes; ``as_list`` turns "one or several
 evaluation sets" into a list.
 """
@@ -18,6 +20,7 @@ from .iterables import IterableBatches
 from .keyed import KeyedDataset, SampleKey, keyed, sample_generator, sample_key
 from .options import Options
 from .order import epoch_order, rank_order, shard
+from .sample_rng import ScopedDataset, sample_rng_key
 from .source import batches, source
 from .tensors import TensorBatches
 from .workers import seed_worker, worker_key
@@ -31,6 +34,7 @@ __all__ = [
     "KeyedDataset",
     "Options",
     "SampleKey",
+    "ScopedDataset",
     "TensorBatches",
     "as_list",
     "batches",
@@ -42,6 +46,7 @@ __all__ = [
     "rank_order",
     "sample_generator",
     "sample_key",
+    "sample_rng_key",
     "seed_worker",
     "shard",
     "source",

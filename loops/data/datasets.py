@@ -5,8 +5,11 @@ The loader is built once per ``DatasetBatches`` (so persistent workers persist) 
 list of that epoch, sliced at batch ``start`` — and starts the loader; the loader reads the
 plan right away, so iterators of different epochs do not disturb one another. Skipped
 batches are never requested, so never loaded, with or without workers, and workers return
-batches in plan order. For a ``KeyedDataset`` the plan holds ``SampleKey``s rather than bare
-indices, which is how per-sample generators reach the workers.
+batches in plan order. For a ``KeyedDataset``, and whenever the global streams are scoped per
+sample (``Options.scope_sample_rng``, the default; ``loops.data.sample_rng``), the plan holds
+``SampleKey``s rather than bare indices, which is how per-sample keys reach the workers. A
+dataset (or its class) with ``scope_sample_rng = False`` opts out, wherever its source is
+built (the Trainer's included).
 
 With ``persistent_workers`` the one loader keeps one set of workers, so (as with any
 DataLoader) only one iteration of a given ``DatasetBatches`` may be in progress at a time.
@@ -22,6 +25,7 @@ from torch.utils.data import DataLoader, Sampler
 from .batches import IndexedBatches, check_position
 from .keyed import KeyedDataset, SampleKey
 from .options import Options
+from .sample_rng import ScopedDataset
 from .workers import WorkerSeeder, build_loader
 
 __all__ = ["DatasetBatches", "PlanSampler"]
@@ -54,6 +58,9 @@ class DatasetBatches(IndexedBatches):
         self._loader: DataLoader | None = None
         self._sampler = PlanSampler()
         self._seeder = WorkerSeeder(options.seed, options.worker_init_fn)
+        self._scoped = (
+            options.scope_sample_rng and getattr(dataset, "scope_sample_rng", True) is not False
+        )
 
     @property
     def dataset(self) -> Any:
@@ -64,7 +71,7 @@ class DatasetBatches(IndexedBatches):
         check_position(epoch, start, self.num_batches)
         o = self._options
         indices = self.epoch_indices(epoch).tolist()
-        if isinstance(self._dataset, KeyedDataset):
+        if self._scoped or isinstance(self._dataset, KeyedDataset):
             indices = [SampleKey(i, epoch, o.seed) for i in indices]
         if o.batch_size is None:
             return indices[start:]
@@ -82,7 +89,7 @@ class DatasetBatches(IndexedBatches):
         if self._loader is None:
             batched = self._options.batch_size is not None
             self._loader = build_loader(
-                self._dataset,
+                ScopedDataset(self._dataset) if self._scoped else self._dataset,
                 self._options,
                 self._seeder,
                 batch_sampler=self._sampler if batched else None,

@@ -10,7 +10,14 @@ and for any other iterable, whose items are taken to be batches already. Guarant
   sampler or dataset when they have one, then starts a fresh iteration and consumes and
   discards ``start`` batches, so ``resumable`` is False and skipped batches are loaded;
 * the length is ``len(iterable)`` when that works, else ``math.inf``;
-* an iterator (rather than a re-iterable collection) is used up by its first epoch.
+* an iterator (rather than a re-iterable collection) is used up by its first epoch;
+* randomness: with workers, each worker's global streams are seeded from (seed, epoch,
+  worker id) (``loops.data.workers``), so a rerun or a resume with the same worker count and
+  non-persistent workers draws the same numbers. Without workers, an ``IterableDataset``'s
+  batches are each fetched with the global streams scoped to (seed, epoch, batch position)
+  (``Options.scope_sample_rng``), which a resume, replaying the skipped batches, reproduces.
+  Not covered: the dataset's own order and sharding, other iterables (their batches are
+  made by code outside this source), persistent workers across a resume.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .batches import Batches, check_position
 from .options import Options
+from .sample_rng import sample_rng_key, scoped_streams
 from .workers import WorkerSeeder, build_loader
 
 __all__ = ["IterableBatches"]
@@ -32,6 +40,7 @@ __all__ = ["IterableBatches"]
 # (describe() reports them) so that generic code such as ``with_options(shuffle=False)``
 # works on any source.
 _ORDER_ONLY = frozenset({"shuffle", "seed", "rank", "world_size"})
+_END = object()
 
 
 def _set_epoch(iterable: Any, epoch: int) -> None:
@@ -85,9 +94,22 @@ class IterableBatches(Batches):
     def _generate(self, epoch: int, start: int) -> Iterator[Any]:
         iterable = self._iterable()
         _set_epoch(iterable, epoch)
-        if self._loader is not None:
-            self._seeder.start(self._loader, epoch)
-        yield from itertools.islice(iter(iterable), start, None)
+        if self._loader is None:
+            yield from itertools.islice(iter(iterable), start, None)
+            return
+        self._seeder.start(self._loader, epoch)
+        o = self._options
+        if o.num_workers or not o.scope_sample_rng:
+            yield from itertools.islice(iter(self._loader), start, None)
+            return
+        it = iter(self._loader)
+        for b in itertools.count():
+            with scoped_streams(sample_rng_key(o.seed, epoch, b)):
+                batch = next(it, _END)
+            if batch is _END:
+                return
+            if b >= start:
+                yield batch
 
     def with_options(self, **changes: Any) -> IterableBatches:
         options = self._options.replace(**changes)

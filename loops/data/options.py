@@ -30,7 +30,8 @@ class Options:
     ``drop_last`` both trims the epoch to a multiple of ``world_size`` and drops each rank's
     incomplete last batch (see ``loops.data.order``). The worker settings mean what they mean
     to a ``DataLoader``; ``persistent_workers`` and ``prefetch_factor`` are ignored without
-    workers.
+    workers. ``scope_sample_rng`` seeds the global random streams per sample around each
+    ``dataset[i]`` of a map-style dataset (``loops.data.sample_rng``).
     """
 
     batch_size: int | None = 1
@@ -48,6 +49,7 @@ class Options:
     prefetch_factor: int | None = None
     multiprocessing_context: Any = None
     pin_memory_device: str = ""
+    scope_sample_rng: bool = True
 
     def __post_init__(self) -> None:
         if self.batch_size is not None and (not _is_int(self.batch_size) or self.batch_size < 1):
@@ -68,7 +70,13 @@ class Options:
             raise ValueError(f"prefetch_factor must be an int >= 1, got {self.prefetch_factor!r}")
         if not isinstance(self.timeout, (int, float)) or self.timeout < 0:
             raise ValueError(f"timeout must be a number >= 0, got {self.timeout!r}")
-        for name in ("shuffle", "drop_last", "pin_memory", "persistent_workers"):
+        for name in (
+            "shuffle",
+            "drop_last",
+            "pin_memory",
+            "persistent_workers",
+            "scope_sample_rng",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("collate_fn", "worker_init_fn"):

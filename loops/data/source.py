@@ -67,7 +67,9 @@ def _custom_order(loader: DataLoader) -> str | None:
     return f"a custom sampler ({type(sampler).__name__})"
 
 
-def _loader_options(loader: DataLoader, seed: int, rank: int, world_size: int) -> Options:
+def _loader_options(
+    loader: DataLoader, seed: int, rank: int, world_size: int, scope: bool = True
+) -> Options:
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is BatchSampler:
         batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
@@ -94,12 +96,13 @@ def _loader_options(loader: DataLoader, seed: int, rank: int, world_size: int) -
         prefetch_factor=loader.prefetch_factor if workers else None,
         multiprocessing_context=loader.multiprocessing_context,
         pin_memory_device=loader.pin_memory_device,
+        scope_sample_rng=scope,
     )
 
 
-def _from_loader(loader: DataLoader, seed: int, rank: int, world_size: int) -> Batches:
+def _from_loader(loader: DataLoader, seed: int, rank: int, world_size: int, scope: bool) -> Batches:
     if isinstance(loader.dataset, IterableDataset):
-        options = _loader_options(loader, seed, rank, world_size)
+        options = _loader_options(loader, seed, rank, world_size, scope)
         return IterableBatches(loader.dataset, options, kind="loader")
     reason = _custom_order(loader)
     if reason is not None:
@@ -118,7 +121,7 @@ def _from_loader(loader: DataLoader, seed: int, rank: int, world_size: int) -> B
             stacklevel=3,
         )
     return DatasetBatches(
-        loader.dataset, _loader_options(loader, seed, rank, world_size), kind="loader"
+        loader.dataset, _loader_options(loader, seed, rank, world_size, scope), kind="loader"
     )
 
 
@@ -139,17 +142,20 @@ def source(
     timeout: float = 0,
     prefetch_factor: int | None = None,
     multiprocessing_context: Any = None,
+    scope_sample_rng: bool = True,
 ) -> Batches:
     """Deterministic batches of ``data`` for this rank (see the module docstring for inputs).
 
     The epoch's order is a pure function of (seed, epoch, rank, world_size); ``seed`` is any
     integer key and must be the same on every rank. ``batch_size=None`` means the items are
-    batches already.
+    batches already. ``scope_sample_rng`` (also honoured for a DataLoader) seeds torch's,
+    ``random``'s and numpy's global streams per sample around each ``dataset[i]``
+    (``loops.data.sample_rng``); False leaves them to the process (the worker seeding).
     """
     if isinstance(data, Batches):
         return data
     if isinstance(data, DataLoader):
-        return _from_loader(data, seed, rank, world_size)
+        return _from_loader(data, seed, rank, world_size, scope_sample_rng)
     options = Options(
         batch_size=batch_size,
         shuffle=shuffle,
@@ -165,6 +171,7 @@ def source(
         timeout=timeout,
         prefetch_factor=prefetch_factor,
         multiprocessing_context=multiprocessing_context,
+        scope_sample_rng=scope_sample_rng,
     )
     if isinstance(data, torch.Tensor) or is_tensor_tuple(data):
         return TensorBatches(data, options)
