@@ -6,8 +6,9 @@ the elapsed training time (the driver's clock, which a resumed run continues) an
 logger's resume state (so a resumed run's logs end as if never interrupted). Only the
 primary process writes; the others wait at a barrier.
 
-``resolve(ckpt_path)`` turns ``"last"`` (the newest checkpoint that reads, searched in the
-checkpoint folders, across the loggers' version folders), ``"best"`` (the checkpoint
+``resolve(ckpt_path)`` turns ``"last"`` (the checkpoint with the furthest recorded progress
+that loads as a ``TrainState``, searched in the checkpoint folders, across the loggers'
+version folders; ``engine.checkpoint.load_latest``), ``"best"`` (the checkpoint
 callback's best path) or a path into a URL; a path that is no file is an error naming the
 keywords (and the one it is close to: "lastt" -> did you mean 'last'?). ``restore`` loads
 a checkpoint for resuming (``engine.checkpoint.conform`` against a fresh state): the
@@ -16,9 +17,12 @@ being trained and land on their devices; everything else (progress, key, callbac
 state, the open accumulation window) comes from the file. A checkpoint ``resolve`` already
 read to validate it is not read again by ``restore`` / ``load_for_eval``.
 
-Temporary files a killed writer left behind (``.<name>.tmp-*``) are removed by the primary
-process from the folders ``"last"`` searches, and from a folder before this run first writes
-into it (never while one of this run's own asynchronous writes is in flight).
+Only ``fit`` (the writer) cleans up: its primary process removes the temporary files of
+writers that are gone (``engine.checkpoint.storage.remove_partial``: a live writer's file,
+this run's or another process's, is never touched) from the folders ``"last"`` searches and
+from a folder before it first writes there. ``validate``/``test``/``predict`` never delete,
+so they may read a live run's folder, or a read-only one. Before its first step ``fit``
+checks that it can write its checkpoint folders (``check_writable``).
 
 Preemption: during ``fit``, SIGTERM and SIGUSR1 (configurable) only set a flag; at the next
 commit point (the end of the current batch) the run writes ``last.ckpt`` in its checkpoint
@@ -89,7 +93,7 @@ class Checkpointing:
         self._signal: int | None = None
         self._logger_cache: tuple[Any, list[Any]] | None = None
         # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.
-        self._resolved: tuple[str, dict[str, Any]] | None = None
+        self._resolved: tuple[str, Any, dict[str, Any]] | None = None
         self._cleaned: set[str] = set()
 
     # ------------------------------------------------------------------ writing
@@ -139,6 +143,14 @@ class Checkpointing:
 
     @staticmethod
     def remove(path: str) -> None:
+        """Delete an evicted checkpoint. On local disks only a regular file, or a symlink
+        that stays in its folder (``save_last="link"``), is deleted; anything else is left
+        alone with a warning (a checkpoint folder may hold what this run did not write)."""
+        if ck.storage.is_local_url(path):
+            reason = _not_ours(ck.storage.filesystem(path)[1])
+            if reason:
+                warnings.warn(f"not deleting {path}: {reason}", stacklevel=2)
+                return
         ck.remove(path)
 
     def remove_partial(self, folders: Sequence[str], say: Any = None) -> list[str]:
@@ -157,6 +169,34 @@ class Checkpointing:
                 f"write: {', '.join(removed)}"
             )
         return removed
+
+    def check_writable(self, callbacks: Sequence[Any], state: TrainState, log_dir: Any) -> None:
+        """Fail before a fit's first step, naming the folder, if a checkpoint callback's
+        folder cannot be written (the primary process probes; every process raises)."""
+        error = None
+        if self.strategy.is_primary:
+            for folder in self.save_folders(callbacks, state, log_dir):
+                try:
+                    ck.storage.check_writable(folder)
+                except OSError as err:
+                    error = (err.errno, err.strerror or str(err))
+                    break
+        if self.strategy.world_size > 1:
+            error = self.strategy.broadcast_object(error, 0)
+        if error is not None:
+            raise OSError(
+                error[0],
+                f"{error[1]}; fit checks its checkpoint folders before training (pass a "
+                "writable ModelCheckpoint(dirpath=...) or default_root_dir)",
+            )
+
+    @staticmethod
+    def save_folders(callbacks: Sequence[Any], state: TrainState, log_dir: Any) -> list[str]:
+        """The folders this fit's checkpoint callbacks write to (as their ``on_fit_start``
+        decides: their own ``dirpath``, else ``<log_dir>/checkpoints``; never a folder a
+        checkpoint names)."""
+        found = [cb.folder(log_dir) for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+        return list(dict.fromkeys(found))
 
     @staticmethod
     def link(target: str, link: str) -> None:
@@ -177,14 +217,8 @@ class Checkpointing:
     def folders(self, callbacks: Sequence[Any], state: TrainState | None = None) -> list[str]:
         """Where checkpoints of this run may be: the checkpoint callbacks' folders and, for
         the default folder, every version folder of the first logger."""
-        found: list[str] = []
-        for cb in callbacks:
-            if isinstance(cb, ModelCheckpoint):
-                saved = state.callbacks.get(cb.key, {}) if state is not None else {}
-                if saved.get("dirpath"):
-                    found.append(saved["dirpath"])
-                elif cb.dirpath:
-                    found.append(cb.dirpath)
+        # The folders are configuration: a state's callback bookkeeping never adds one.
+        found = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
         if self.loggers and getattr(self.loggers[0], "root_dir", None):
             root = self.loggers[0].root_dir
             fs, path = ck.storage.filesystem(root)
@@ -208,7 +242,7 @@ class Checkpointing:
         if ckpt_path is None:
             return None
         if ckpt_path == "last":
-            self._resolved = self._latest(callbacks, state, say)
+            self._resolved = self._latest(callbacks, state, say, clean=fn == "fit")
             if self._resolved is None:
                 if say is not None:
                     say('ckpt_path="last" is set, but there is no checkpoint yet: starting fresh.')
@@ -221,7 +255,7 @@ class Checkpointing:
                 if isinstance(cb, ModelCheckpoint) and state is not None:
                     best = state.callbacks.get(cb.key, {}).get("best_model_path")
                     if best:
-                        return best
+                        return cb.full_path(best, self._log_dir())
             raise ValueError(
                 'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this '
                 "Trainer's fit; pass a path instead"
@@ -231,23 +265,26 @@ class Checkpointing:
             raise FileNotFoundError(missing_checkpoint(url, fn))
         return url
 
-    def _latest(self, callbacks: Sequence[Any], state: TrainState | None, say: Any):
-        """``(url, payload)`` of the newest checkpoint a run can resume from (weights-only
-        files skipped). Rank 0 chooses; the other processes read the same file."""
+    def _latest(self, callbacks: Sequence[Any], state: TrainState | None, say: Any, *, clean: bool):
+        """``(url, state, metadata)`` of the furthest checkpoint a run can resume from
+        (``engine.checkpoint.load_latest``; weights-only files skipped). Rank 0 chooses; the
+        other processes read the same file. ``clean``: first remove dead writers' temporary
+        files (fit only; readers never delete)."""
         found = None
         if self.strategy.is_primary:
             folders = self.folders(callbacks, state)
-            self.remove_partial(folders, say=say)
+            if clean:
+                self.remove_partial(folders, say=say)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                found = ck.read_latest(folders, accept=_resumable)
+                found = ck.load_latest(folders, accept=_resumable)
             for w in caught:
                 if say is not None:
                     say(str(w.message))
         if self.strategy.world_size > 1:
             url = self.strategy.broadcast_object(found[0] if found else None, 0)
             if url is not None and found is None:
-                found = (url, ck.read(url))
+                found = (url, *ck.load(url))
         return found
 
     # ------------------------------------------------------------------ restoring
@@ -286,11 +323,11 @@ class Checkpointing:
         return fresh.replace(params=params, buffers=buffers)
 
     def _load(self, url: str) -> tuple[Any, dict[str, Any]]:
-        """``(state, metadata)`` of ``url``, from the payload ``resolve`` read if it is
-        that file's (the payload is used once), else read now."""
+        """``(state, metadata)`` of ``url``, as ``resolve`` loaded it if it is that file's
+        (used once), else read now."""
         resolved, self._resolved = self._resolved, None
         if resolved is not None and resolved[0] == url:
-            return ck.load_payload(resolved[1], url=url)
+            return resolved[1], resolved[2]
         return ck.load(url)
 
     # ------------------------------------------------------------------ preemption
@@ -333,14 +370,17 @@ class Checkpointing:
         run folder's ``checkpoints``."""
         for cb in callbacks:
             if isinstance(cb, ModelCheckpoint):
-                folder = state.callbacks.get(cb.key, {}).get("dirpath") or cb.dirpath
-                if folder:
-                    return folder.rstrip("/") + "/last.ckpt"
+                return cb.folder(driver.log_dir).rstrip("/") + "/last.ckpt"
         root = driver.log_dir or self.root_dir
         return root.rstrip("/") + "/checkpoints/last.ckpt"
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
+
+    def _log_dir(self) -> str:
+        """The run folder the driver names files after (the first logger's, else the root)."""
+        log_dir = self.loggers[0].log_dir if self.loggers else None
+        return log_dir if log_dir is not None else self.root_dir
 
 
 def ckpt_keywords(fn: str) -> tuple[str, ...]:
@@ -365,13 +405,30 @@ def missing_checkpoint(url: str, fn: str) -> str:
     return f"ckpt_path={url!r}: no checkpoint at {url}{hint}; {fn} takes {accepted}"
 
 
-def _resumable(payload: dict[str, Any]) -> bool:
-    """Whether a checkpoint's payload can resume training (not a weights-only file)."""
-    meta = payload.get("metadata")
-    try:
-        return not ck.decode(meta, "metadata").get("weights_only", False)
-    except (ck.CheckpointError, AttributeError):
-        return True
+def _resumable(state: Any, metadata: dict[str, Any]) -> bool:
+    """Whether a loaded checkpoint can resume training: a weights-only file is passed over
+    (False); any other state that is not a ``TrainState`` is an error (skipped, warned)."""
+    if metadata.get("weights_only", False):
+        return False
+    if not isinstance(state, TrainState):
+        raise ck.CheckpointError(
+            f"it holds a {type(state).__name__}, not a TrainState, and cannot resume training"
+        )
+    return True
+
+
+def _not_ours(path: str) -> str | None:
+    """Why the local file ``path`` is not one to delete (None: a regular file, a missing
+    one, or a symlink to a regular file in its own folder)."""
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        folder = os.path.realpath(os.path.dirname(path) or ".")
+        if os.path.dirname(target) != folder:
+            return f"it is a symbolic link to {target}, outside {folder}"
+        return None if os.path.isfile(target) else "it links to no regular file"
+    if os.path.lexists(path) and not os.path.isfile(path):
+        return "it is not a regular file"
+    return None
 
 
 def _with_protocol(root: str, path: str) -> str:

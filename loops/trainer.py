@@ -299,7 +299,8 @@ class Trainer:
         cb, state = self.checkpoint_callback, self._latest
         if cb is None or state is None:
             return ""
-        return state.callbacks.get(cb.key, {}).get("best_model_path", "")
+        name = state.callbacks.get(cb.key, {}).get("best_model_path", "")
+        return cb.full_path(name, self.log_dir) if cb.owns(name) else ""
 
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Write the latest training state (or its weights) to ``path``, as callbacks do."""

@@ -125,6 +125,7 @@ def fit(
     )
     driver = driver_for(trainer, "fit", task, net)
     driver.elapsed_offset = elapsed
+    checkpointing.check_writable(driver.callbacks, state, driver.log_dir)  # fail before step 1
     if url is not None:
         driver.extra["resumed_from"] = url
     for message in schedule.startup_messages(config):

@@ -248,20 +248,107 @@ def test_save_on_exception_saves_whatever_the_score():
     assert run.cb_state["best_model_score"] == pytest.approx(0.1)  # top-k left alone
 
 
-def test_a_resumed_run_with_a_new_folder_keeps_only_the_best_path():
+def test_the_state_names_files_relative_to_the_folder():
+    run = Run(ModelCheckpoint(monitor="m", save_top_k=2, save_last=True))
+    run.fire("on_fit_start")
+    run.fire("on_train_epoch_end", step=1, metrics={"m": 1.0})
+    state = run.cb_state
+    assert "dirpath" not in state
+    assert state["best_k_models"] == {"epoch=0-step=1.ckpt": 1.0}
+    assert state["best_model_path"] == "epoch=0-step=1.ckpt"
+    assert state["last_model_path"] == "last.ckpt"
+    assert run.saved == [
+        "/runs/v0/checkpoints/epoch=0-step=1.ckpt",
+        "/runs/v0/checkpoints/last.ckpt",
+    ]
+    assert run.cb.full_path(state["best_model_path"], "/runs/v0") == run.saved[0]
+
+
+def test_a_resumed_run_with_a_new_folder_starts_its_bookkeeping_afresh():
     first = Run(ModelCheckpoint(dirpath="/a"))
     first.fire("on_fit_start")
     first.fire("on_train_epoch_end", step=2)
     second = Run(ModelCheckpoint(dirpath="/b"))
     second.state = second.state.replace(callbacks=first.state.callbacks)
     req = second.fire("on_fit_start")
-    assert "only its best_model_path is kept" in req.messages[0]
+    assert "starting its bookkeeping afresh" in req.messages[0]
     state = second.cb_state
-    assert state["dirpath"] == "/b" and state["best_model_path"].startswith("/a/")
-    assert state["last_global_step_saved"] == 0
+    assert state == second.cb.init()
+    second.fire("on_train_epoch_end", epoch=1, step=4)
+    assert second.removed == []  # nothing of /a's is deleted
+
+
+def test_a_resumed_run_whose_files_are_in_its_folder_keeps_its_bookkeeping():
+    first = Run(ModelCheckpoint(dirpath="/a"))
+    first.fire("on_fit_start")
+    first.fire("on_train_epoch_end", step=2)
+    moved = {p.replace("/a/", "/b/") for p in first.files}
+    second = Run(ModelCheckpoint(dirpath="/b"), existing=moved)
+    second.state = second.state.replace(callbacks=first.state.callbacks)
+    assert second.fire("on_fit_start").messages == ()
+    second.fire("on_train_epoch_end", epoch=1, step=4)
+    assert second.removed == ["/b/epoch=0-step=2.ckpt"]
 
 
 def test_save_last_link_needs_a_local_folder():
     run = Run(ModelCheckpoint(dirpath="memory://x", save_last="link"))
     with pytest.raises(ValueError, match="needs a local folder"):
         run.fire("on_fit_start")
+
+
+def test_own_names_follow_the_template_and_stay_in_the_folder():
+    cb = ModelCheckpoint(filename="{epoch:03d}-{val_loss:.2f}")
+    assert cb.owns("epoch=003-val_loss=0.51.ckpt") and cb.owns("epoch=003-val_loss=0.51-v2.ckpt")
+    assert cb.owns("last.ckpt") and cb.owns("last-v1.ckpt")
+    for bad in (
+        "epoch=1-step=2.ckpt",
+        "/abs/last.ckpt",
+        "../last.ckpt",
+        "x/last.ckpt",
+        "epoch=../../x-val_loss=1.ckpt",
+        ".last.ckpt",
+        "last.ckpt\x00",
+        "",
+        3,
+    ):
+        assert not cb.owns(bad), bad
+
+
+def test_a_state_with_full_paths_from_before_is_read_as_names():
+    run = Run(
+        ModelCheckpoint(monitor="m", save_top_k=1),
+        existing={"/runs/v0/checkpoints/epoch=0-step=1.ckpt"},
+    )
+    old = {
+        **run.cb.init(),
+        "dirpath": "/runs/v0/checkpoints",
+        "best_k_models": {"/runs/v0/checkpoints/epoch=0-step=1.ckpt": 2.0},
+        "kth_best_model_path": "/runs/v0/checkpoints/epoch=0-step=1.ckpt",
+        "kth_value": 2.0,
+        "best_model_path": "/runs/v0/checkpoints/epoch=0-step=1.ckpt",
+        "best_model_score": 2.0,
+    }
+    run.state = run.state.replace(callbacks={**run.state.callbacks, run.cb.key: old})
+    assert run.fire("on_fit_start").messages == ()
+    assert run.cb_state["best_k_models"] == {"epoch=0-step=1.ckpt": 2.0}
+    assert "dirpath" not in run.cb_state
+    run.fire("on_train_epoch_end", epoch=1, step=2, metrics={"m": 1.0})
+    assert run.removed == ["/runs/v0/checkpoints/epoch=0-step=1.ckpt"]
+
+
+def test_a_crafted_kth_entry_is_recomputed_from_the_kept_ones():
+    run = Run(ModelCheckpoint(monitor="m", save_top_k=1), existing={"/runs/v0/checkpoints/a.ckpt"})
+    crafted = {
+        **run.cb.init(),
+        "best_k_models": {"epoch=0-step=1.ckpt": 2.0, "/etc/passwd": 9.0},
+        "kth_best_model_path": "/etc/passwd",
+        "kth_value": 9.0,
+        "best_model_path": "/etc/passwd",
+    }
+    run.files.add("/runs/v0/checkpoints/epoch=0-step=1.ckpt")
+    run.state = run.state.replace(callbacks={**run.state.callbacks, run.cb.key: crafted})
+    req = run.fire("on_fit_start")
+    assert "ignoring 1 restored path(s)" in req.messages[0] and "/etc/passwd" in req.messages[0]
+    state = run.cb_state
+    assert state["kth_best_model_path"] == state["best_model_path"] == "epoch=0-step=1.ckpt"
+    assert state["kth_value"] == state["best_model_score"] == 2.0

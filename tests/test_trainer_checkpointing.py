@@ -263,6 +263,7 @@ def test_partial_files_are_removed_before_resuming_and_before_writing(tmp_path):
     folder = tmp_path / "run" / "lightning_logs" / "version_0" / "checkpoints"
     leftover = folder / ".epoch=0-step=4.ckpt.tmp-dead"
     leftover.write_bytes(b"half a checkpoint")
+    os.utime(leftover, (0, 0))  # its name names no writer: removed once it is stale
     messages = []
     trainer = _trainer(str(tmp_path / "run"), max_epochs=2)
     trainer._printer = messages.append
@@ -273,6 +274,7 @@ def test_partial_files_are_removed_before_resuming_and_before_writing(tmp_path):
     own = tmp_path / "own"
     own.mkdir()
     (own / ".a.ckpt.tmp-dead").write_bytes(b"x")
+    os.utime(own / ".a.ckpt.tmp-dead", (0, 0))
     _fit(_trainer(str(tmp_path / "run2"), callbacks=[ModelCheckpoint(dirpath=str(own))]))
     assert not (own / ".a.ckpt.tmp-dead").exists() and list(own.glob("*.ckpt"))
 
@@ -282,6 +284,7 @@ def test_only_the_primary_process_removes_partial_files(tmp_path):
     folder.mkdir()
     leftover = folder / ".a.ckpt.tmp-dead"
     leftover.write_bytes(b"x")
+    os.utime(leftover, (0, 0))
     assert _checkpointing(tmp_path, _Rank1()).resolve("last", [], None, fn="fit") is None
     assert leftover.exists()
     assert _checkpointing(tmp_path).resolve("last", [], None, fn="fit") is None

@@ -5,8 +5,10 @@ its metadata (``files``); writes are atomic (``storage``: rename, or a commit ma
 object stores); loading never unpickles objects (``codec``: plain data only, ``@struct``
 classes rebuilt by name; ``safe_load``: one guarded ``torch.load``). A target checks what the
 model and optimizer decide and takes the run's position from the file (``matching``).
-``find_latest(folder)`` / ``read_latest(folders)`` pick the newest checkpoint that reads
-(``discover``), the latter with its payload for ``load_payload``; ``AsyncCheckpointer``
+``find_latest(folder)`` / ``load_latest(folders)`` / ``read_latest(folders)`` pick the
+checkpoint with the furthest recorded progress that loads (``discover``; ``ranked`` orders
+them by the small record ``read_record`` reads), the latter two with its decoded state or
+its payload for ``load_payload``; ``AsyncCheckpointer``
 writes in a background thread (``background``); ``export_state_dict`` / ``load_weights``
 exchange plain ``state_dict``s (``interop``).
 """
@@ -14,7 +16,7 @@ exchange plain ``state_dict``s (``interop``).
 from . import storage
 from .background import AsyncCheckpointer
 from .codec import CheckpointError, decode, encode
-from .discover import candidates, find_latest, modified_time, read_latest
+from .discover import candidates, find_latest, load_latest, modified_time, ranked, read_latest
 from .files import (
     FORMAT,
     FORMAT_VERSION,
@@ -23,6 +25,7 @@ from .files import (
     load_metadata,
     load_payload,
     read,
+    read_record,
     save,
     versions,
 )
@@ -44,11 +47,14 @@ __all__ = [
     "is_committed",
     "load",
     "load_metadata",
+    "load_latest",
     "load_payload",
     "load_weights",
     "modified_time",
+    "ranked",
     "read",
     "read_latest",
+    "read_record",
     "read_state_dict",
     "remove",
     "remove_partial",

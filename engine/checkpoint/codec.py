@@ -5,7 +5,8 @@ code from it. So every node is written as plain data — tensors, numbers, strin
 and tagged dicts/lists — and rebuilt here. ``@struct`` classes are named by
 ``"module:qualname"`` and rebuilt only if they are registered ``@struct`` classes (imported
 from purestep's own packages when needed); anything else is refused with the path of the
-offending node.
+offending node. Nesting is limited to ``MAX_DEPTH`` levels both ways, so a crafted file
+cannot exhaust the interpreter's stack (a state nests a handful of levels).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import torch
 
 from purestep.engine.tree import STRUCTS
 
-__all__ = ["CheckpointError", "decode", "encode"]
+__all__ = ["MAX_DEPTH", "CheckpointError", "decode", "encode"]
 
 _KIND = "__kind__"
 _OWN_PACKAGE = "purestep"
 # Checkpoints written before the package was named purestep name its modules without the prefix.
 _LEGACY_PACKAGES = ("engine", "loops", "hardware")
+#: How deeply containers and ``@struct`` objects may nest in a checkpoint; far above what a
+#: state needs and well inside Python's recursion limit when decoding.
+MAX_DEPTH = 100
 
 
 class CheckpointError(Exception):
@@ -33,6 +37,10 @@ class CheckpointError(Exception):
 
 def encode(value: Any, path: str = "") -> Any:
     """``value`` as plain data (tensors kept as they are, detached)."""
+    return _encode(value, path, 0)
+
+
+def _encode(value: Any, path: str, depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         if value.is_meta:
             raise CheckpointError(f"cannot save {path or 'the root'}: it is a meta tensor")
@@ -47,33 +55,54 @@ def encode(value: Any, path: str = "") -> Any:
         return float(value)
     if isinstance(value, str):
         return str(value)
+    nests = isinstance(value, (dict, list, tuple)) or STRUCTS.get(_name(type(value))) is type(value)
+    if nests and depth >= MAX_DEPTH:
+        raise CheckpointError(
+            f"cannot save {_short(path)}: it is nested deeper than {MAX_DEPTH} levels"
+        )
+    deeper = depth + 1
     if isinstance(value, dict):
         return {
             _KIND: "dict",
-            "items": [[_key(k, path), encode(v, f"{path}[{k!r}]")] for k, v in value.items()],
+            "items": [
+                [_key(k, path), _encode(v, f"{path}[{k!r}]", deeper)] for k, v in value.items()
+            ],
         }
     if isinstance(value, list):
-        return {_KIND: "list", "items": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        items = [_encode(v, f"{path}[{i}]", deeper) for i, v in enumerate(value)]
+        return {_KIND: "list", "items": items}
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return {_KIND: "tuple", "items": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        items = [_encode(v, f"{path}[{i}]", deeper) for i, v in enumerate(value)]
+        return {_KIND: "tuple", "items": items}
     if isinstance(value, torch.dtype):
         return {_KIND: "dtype", "name": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {_KIND: "device", "name": str(value)}
     cls = type(value)
-    name = f"{cls.__module__}:{cls.__qualname__}"
+    name = _name(cls)
     if STRUCTS.get(name) is cls:
         d = value.__dict__
         return {
             _KIND: "struct",
             "type": name,
-            "data": {f: encode(d[f], f"{path}.{f}") for f in cls.__struct_data__},
-            "static": {f: encode(d[f], f"{path}.{f}") for f in cls.__struct_static__},
+            "data": {f: _encode(d[f], f"{path}.{f}", deeper) for f in cls.__struct_data__},
+            "static": {f: _encode(d[f], f"{path}.{f}", deeper) for f in cls.__struct_static__},
         }
     raise CheckpointError(
         f"cannot save {path or 'the root'}: a {cls.__name__} is not a tensor, a number, a "
         "string, a container or an @struct class"
     )
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _short(path: str) -> str:
+    """``path`` for a message: the root named, a very long path cut in the middle."""
+    if not path:
+        return "the root"
+    return path if len(path) <= 120 else f"{path[:60]}...{path[-50:]}"
 
 
 def _key(key: Any, path: str) -> Any:
@@ -119,14 +148,29 @@ def _field_default(cls: type, name: str) -> Any:
 
 
 def decode(data: Any, path: str = "") -> Any:
-    """The value ``encode`` turned into ``data``; a malformed node is a ``CheckpointError``
-    naming its path."""
+    """The value ``encode`` turned into ``data``; a malformed node (nesting deeper than
+    ``MAX_DEPTH`` included) is a ``CheckpointError`` naming its path."""
+    try:
+        return _decode(data, path, 0)
+    except RecursionError:  # called with little stack left: still a clear error
+        raise CheckpointError(
+            f"malformed checkpoint at {_short(path)}: nested too deeply to decode"
+        ) from None
+
+
+def _decode(data: Any, path: str, depth: int) -> Any:
     if not isinstance(data, dict):
         if isinstance(data, (list, tuple)):
-            raise CheckpointError(f"malformed checkpoint at {path or 'the root'}: bare sequence")
+            raise CheckpointError(f"malformed checkpoint at {_short(path)}: bare sequence")
         return data
+    if depth >= MAX_DEPTH:
+        raise CheckpointError(
+            f"malformed checkpoint at {_short(path)}: nested deeper than {MAX_DEPTH} levels"
+        )
     try:
-        return _decode_node(data, path)
+        return _decode_node(data, path, depth + 1)
+    except RecursionError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
         detail = f"{type(err).__name__}: {err}"
         raise CheckpointError(
@@ -134,14 +178,14 @@ def decode(data: Any, path: str = "") -> Any:
         ) from None
 
 
-def _decode_node(data: dict[str, Any], path: str) -> Any:
+def _decode_node(data: dict[str, Any], path: str, depth: int) -> Any:
     kind = data.get(_KIND)
     if kind == "dict":
-        return {k: decode(v, f"{path}[{k!r}]") for k, v in data["items"]}
+        return {k: _decode(v, f"{path}[{k!r}]", depth) for k, v in data["items"]}
     if kind == "list":
-        return [decode(v, f"{path}[{i}]") for i, v in enumerate(data["items"])]
+        return [_decode(v, f"{path}[{i}]", depth) for i, v in enumerate(data["items"])]
     if kind == "tuple":
-        return tuple(decode(v, f"{path}[{i}]") for i, v in enumerate(data["items"]))
+        return tuple([_decode(v, f"{path}[{i}]", depth) for i, v in enumerate(data["items"])])
     if kind == "dtype":
         dtype = getattr(torch, data["name"], None)
         if not isinstance(dtype, torch.dtype):
@@ -164,6 +208,6 @@ def _decode_node(data: dict[str, Any], path: str) -> Any:
                 f"checkpoint but {sorted(expected)} in this version"
             )
         obj = object.__new__(cls)
-        obj.__dict__.update({f: decode(v, f"{path}.{f}") for f, v in fields.items()})
+        obj.__dict__.update({f: _decode(v, f"{path}.{f}", depth) for f, v in fields.items()})
         return obj
     raise CheckpointError(f"malformed checkpoint at {path or 'the root'}: unknown node {kind!r}")

@@ -1,24 +1,42 @@
-"""Find the checkpoint to resume from: the newest one in a folder that actually loads.
+"""Find the checkpoint to resume from: the furthest one in some folders that actually loads.
 
-Auto-resume must never pick a partial file, and must survive a corrupt one: candidates are
-the committed checkpoint files (temporary files of a killed writer are hidden and skipped),
-newest first by modification time; the first that reads is returned, and each one that does
-not is reported with a warning naming it and the reason. ``read_latest`` returns the payload
-it read along with the URL, so a resume reads the file once (``files.load_payload``).
+Auto-resume must never pick a partial file, never block and must survive a broken one.
+Candidates are the committed checkpoint files (temporary files of a killed writer are hidden
+and skipped). They are ranked by the progress each one records (``files.read_record``: the
+optimizer step, then the training batches seen, then the epoch), reading only the zip
+directory and a small record of each, never a whole file: modification times can be
+coarse (one second on some object stores) and must not pick an older step. The
+modification time breaks exact ties (and equal times keep the order of the folders, then
+names in reverse order). Files without a recorded progress (written before records
+existed, or states that are not a ``TrainState``) rank after all that have one, newest first
+by modification time. Across several folders, the most recently written folder (by its
+newest file) comes first: a fresh run in a new version folder resumes itself, not an older
+run that got further.
+
+The ranked files are then loaded in turn: the first that reads and decodes (and that
+``accept`` takes) is returned. Each one that does not (a FIFO, device or directory, a zip
+this library never writes, a corrupt file, one that reads but does not decode) is skipped
+with a warning naming it and the reason. ``load_latest`` returns the decoded state and
+metadata, ``read_latest`` the payload (``files.load_payload`` restores from it), so a resume
+reads the chosen file once.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import storage
 from .codec import CheckpointError
-from .files import read
+from .files import load_payload, read, read_record
 
-__all__ = ["candidates", "find_latest", "modified_time", "read_latest"]
+__all__ = ["candidates", "find_latest", "load_latest", "modified_time", "ranked", "read_latest"]
+
+# A check that takes or skips a loaded checkpoint; raising CheckpointError skips it with a
+# warning (silently returning False is for files that are fine but not wanted).
+Accept = Callable[..., bool]
 
 
 def candidates(
@@ -28,7 +46,8 @@ def candidates(
     commit: str = "auto",
     storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Committed checkpoint files in ``folder`` matching ``pattern``, newest first."""
+    """Committed entries in ``folder`` matching ``pattern``, newest first by modification
+    time (a listing: nothing is opened; ``ranked`` orders them for resuming)."""
     found = _dated_candidates(folder, pattern, commit, storage_options)
     return [url for _, url in found]
 
@@ -36,16 +55,16 @@ def candidates(
 def _dated_candidates(
     folder: str, pattern: str, commit: str, storage_options: dict[str, Any] | None
 ) -> list[tuple[float, str]]:
-    """``(modification time, url)`` of ``candidates(folder)``, newest first."""
+    """``(modification time, url)`` of ``candidates(folder)``, newest first. Entries of any
+    kind are listed (a symlink shows as neither file nor directory here); reading them
+    refuses what is not a regular file."""
     fs, path = storage.filesystem(folder, storage_options)
     if not fs.exists(path):
         return []
     found = []
     for info in fs.ls(path, detail=True):
         name = info["name"].rsplit("/", 1)[-1]
-        if info.get("type") == "directory" or name.startswith("."):
-            continue
-        if not fnmatch.fnmatch(name, pattern):
+        if name.startswith(".") or not fnmatch.fnmatch(name, pattern):
             continue
         url = _join(folder, name)
         if storage.is_committed(url, commit=commit, storage_options=storage_options):
@@ -54,36 +73,105 @@ def _dated_candidates(
     return [(mtime, url) for mtime, _, url in found]
 
 
+def ranked(
+    folders: str | Sequence[str],
+    pattern: str = "*.ckpt",
+    *,
+    commit: str = "auto",
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """The committed checkpoints across ``folders``; files refused before loading are
+    skipped with a warning.
+
+    Within a folder the furthest progress comes first (modification time breaks exact ties;
+    files without a progress record come after those with one, newest first). Folders are
+    taken most recently written first (by their newest file), so a fresh run in a new
+    version folder resumes itself rather than an older run that got further.
+    """
+    if isinstance(folders, str):
+        folders = [folders]
+    groups = []
+    for order, folder in enumerate(folders):
+        scored = []
+        for mtime, url in _dated_candidates(folder, pattern, commit, storage_options):
+            try:
+                record = read_record(url, commit=commit, storage_options=storage_options)
+            except (CheckpointError, OSError) as err:
+                _skip(url, err)
+                continue
+            progress = (record or {}).get("progress")
+            if progress is None:
+                scored.append(((False, (), mtime), url))
+            else:
+                counters = (progress["step"], progress["total_batches"], progress["epoch"])
+                scored.append(((True, counters, mtime), url))
+        if scored:
+            scored.sort(key=lambda item: item[0], reverse=True)  # stable: listing order
+            newest = max(score[2] for score, _ in scored)
+            groups.append(((newest, scored[0][0], -order), [url for _, url in scored]))
+    groups.sort(key=lambda item: item[0], reverse=True)
+    return [url for _, urls in groups for url in urls]
+
+
+def _loadable(
+    folders: str | Sequence[str],
+    pattern: str,
+    commit: str,
+    storage_options: dict[str, Any] | None,
+) -> Iterator[tuple[str, dict[str, Any], Any, dict[str, Any]]]:
+    """``(url, payload, state, metadata)`` of each ranked checkpoint that reads and decodes."""
+    for url in ranked(folders, pattern, commit=commit, storage_options=storage_options):
+        try:
+            payload = read(url, commit=commit, storage_options=storage_options)
+            state, metadata = load_payload(payload, url=url)
+        except (CheckpointError, OSError) as err:
+            _skip(url, err)
+            continue
+        yield url, payload, state, metadata
+
+
+def _accepted(url: str, accept: Accept | None, *args: Any) -> bool:
+    if accept is None:
+        return True
+    try:
+        return bool(accept(*args))
+    except CheckpointError as err:
+        _skip(url, err)
+        return False
+
+
+def load_latest(
+    folders: str | Sequence[str],
+    pattern: str = "*.ckpt",
+    *,
+    commit: str = "auto",
+    storage_options: dict[str, Any] | None = None,
+    accept: Accept | None = None,
+) -> tuple[str, Any, dict[str, Any]] | None:
+    """``(url, state, metadata)`` of the furthest checkpoint across ``folders`` that loads,
+    or None. ``accept(state, metadata)`` may skip more: False silently (e.g. weights-only
+    files when resuming), a ``CheckpointError`` with a warning."""
+    for url, _, state, metadata in _loadable(folders, pattern, commit, storage_options):
+        if _accepted(url, accept, state, metadata):
+            return url, state, metadata
+    return None
+
+
 def read_latest(
     folders: str | Sequence[str],
     pattern: str = "*.ckpt",
     *,
     commit: str = "auto",
     storage_options: dict[str, Any] | None = None,
-    accept: Callable[[dict[str, Any]], bool] | None = None,
+    accept: Accept | None = None,
 ) -> tuple[str, dict[str, Any]] | None:
-    """``(url, payload)`` of the newest checkpoint across ``folders`` that reads, or None.
+    """``(url, payload)`` of the furthest checkpoint across ``folders`` that loads, or None.
 
-    Each broken candidate is skipped with a warning naming it; ``accept(payload)`` may
-    skip more (e.g. weights-only files when resuming). The payload is what ``read``
-    returns; restore from it with ``load_payload`` instead of reading the file again. Equal
-    modification times keep the order of ``folders``.
-    """
-    if isinstance(folders, str):
-        folders = [folders]
-    dated: list[tuple[float, str]] = []
-    for folder in folders:
-        dated += _dated_candidates(folder, pattern, commit, storage_options)
-    dated.sort(key=lambda item: item[0], reverse=True)  # stable: ties keep folder order
-    for _, url in dated:
-        try:
-            payload = read(url, commit=commit, storage_options=storage_options)
-        except (CheckpointError, OSError) as err:
-            warnings.warn(f"skipping checkpoint {url}: {err}", stacklevel=2)
-            continue
-        if accept is not None and not accept(payload):
-            continue
-        return url, payload
+    Like ``load_latest``, but returns the payload ``read`` returned (restore from it with
+    ``load_payload`` instead of reading the file again) and calls ``accept(payload)``."""
+    for url, payload, _, _ in _loadable(folders, pattern, commit, storage_options):
+        if _accepted(url, accept, payload):
+            return url, payload
     return None
 
 
@@ -94,11 +182,15 @@ def find_latest(
     commit: str = "auto",
     storage_options: dict[str, Any] | None = None,
 ) -> str | None:
-    """The newest checkpoint in ``folder`` that reads, or None; warns about broken ones.
+    """The furthest checkpoint in ``folder`` that loads, or None; warns about broken ones.
 
-    To restore from it, ``read_latest`` saves reading the file a second time."""
-    found = read_latest(folder, pattern, commit=commit, storage_options=storage_options)
+    To restore from it, ``load_latest`` saves reading the file a second time."""
+    found = load_latest(folder, pattern, commit=commit, storage_options=storage_options)
     return None if found is None else found[0]
+
+
+def _skip(url: str, err: BaseException) -> None:
+    warnings.warn(f"skipping checkpoint {url}: {err}", stacklevel=4)
 
 
 def _join(folder: str, name: str) -> str:

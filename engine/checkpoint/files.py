@@ -1,11 +1,15 @@
 """Save a whole ``TrainState`` with metadata, and load it back safely.
 
 A checkpoint file is ``torch.save`` of a dict of plain data: ``format`` (the magic string
-``"purestep-checkpoint"``), ``version``, ``metadata`` (library versions, the loop config, and
-whatever the caller adds) and ``state`` (the encoded state, see ``codec``). It is written
-atomically (``storage``) and read with ``torch.load(weights_only=True)``, so loading never
-runs code from the file. Errors name the file: a pickle payload is refused, a truncated or
-corrupt file is reported as such, a foreign file (e.g. a Lightning ``.ckpt``) is told apart.
+``"purestep-checkpoint"``), ``version``, ``record``, ``metadata`` (library versions, the loop
+config, and whatever the caller adds) and ``state`` (the encoded state, see ``codec``). It is
+written atomically (``storage``) and read with ``torch.load(weights_only=True)``, so loading
+never runs code from the file. ``record`` is a small JSON record of the state's progress,
+stored as the payload's first tensor, so it is the archive entry ``data/0``: ``read_record``
+reads it from the zip without unpickling anything, for discovery to rank files by (files
+written before records have none; ``read_record`` returns None for them). Errors name the
+file: a pickle payload is refused, a corrupt, truncated or special file (FIFO, directory)
+is reported as such, a foreign file (e.g. a Lightning ``.ckpt``) is told apart.
 ``load(url, target=state)`` checks the file against a target and lists every mismatch
 (``matching``); ``strict=False`` takes what matches and keeps the target's values for the rest.
 ``load_payload`` does the same for a payload already read, so a file is read only once.
@@ -13,6 +17,7 @@ corrupt file is reported as such, a foreign file (e.g. a Lightning ``.ckpt``) is
 
 from __future__ import annotations
 
+import json
 import platform
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +27,7 @@ import torch
 from . import storage
 from .codec import CheckpointError, decode, encode
 from .matching import conform, fit_to
-from .safe_load import torch_load
+from .safe_load import corrupt, open_archive, read_entry, torch_load
 
 __all__ = [
     "FORMAT",
@@ -32,12 +37,16 @@ __all__ = [
     "load_metadata",
     "load_payload",
     "read",
+    "read_record",
     "save",
     "versions",
 ]
 
 FORMAT = "purestep-checkpoint"
 FORMAT_VERSION = 1
+_RECORD_MAGIC = b"purestep-record\n"
+_RECORD_MAX_BYTES = 64 * 1024
+_PROGRESS_FIELDS = ("epoch", "step", "batch_in_epoch", "total_batches")
 
 
 def versions() -> dict[str, str]:
@@ -57,6 +66,7 @@ def serialize(state: Any, metadata: Mapping[str, Any] | None = None) -> dict[str
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
+        "record": _record_tensor(state),  # the first tensor: the archive entry data/0
         "metadata": encode(meta, "metadata"),
         "state": encode(state),
     }
@@ -75,6 +85,52 @@ def save(
     objects) and ``metadata`` to ``url`` atomically. See ``storage.write_atomic``."""
     payload = serialize(state, metadata)
     write_payload(payload, url, commit=commit, fsync=fsync, storage_options=storage_options)
+
+
+def _record_tensor(state: Any) -> torch.Tensor:
+    """The record of ``state`` (its progress, if it has one) as a uint8 tensor."""
+    progress = getattr(state, "progress", None)
+    try:
+        counters = {f: int(getattr(progress, f)) for f in _PROGRESS_FIELDS}
+    except (AttributeError, TypeError, ValueError):
+        counters = None
+    record = {"format": FORMAT, "version": FORMAT_VERSION, "progress": counters}
+    data = _RECORD_MAGIC + json.dumps(record, sort_keys=True).encode()
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def read_record(
+    url: str, *, commit: str = "auto", storage_options: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The small record of a checkpoint (``{"progress": {"epoch", "step", "batch_in_epoch",
+    "total_batches"} or None, ...}``), read from the zip without unpickling anything; None
+    for a file without one (written before records). The file is checked as ``load``
+    checks it first (a regular file, a zip ``torch.save`` could have written; only the
+    record's checksum is verified, so just the zip directory and the record are read), so a
+    file refused here would not load either."""
+    opened = open_archive(url, commit=commit, storage_options=storage_options, verify=False)
+    with opened as (f, archive):
+        names = [i.filename for i in archive.infolist()]
+        prefix = next(n for n in names if n.rsplit("/", 1)[-1] == "data.pkl")[: -len("data.pkl")]
+        try:
+            info = archive.getinfo(prefix + "data/0")
+        except KeyError:
+            return None
+        if info.file_size > _RECORD_MAX_BYTES:
+            return None
+        data = read_entry(f, info, url)
+    if not data.startswith(_RECORD_MAGIC):
+        return None
+    try:
+        record = json.loads(data[len(_RECORD_MAGIC) :])
+        progress = record["progress"]
+        if progress is not None:
+            progress = {f: progress[f] for f in _PROGRESS_FIELDS}
+            if not all(type(v) is int for v in progress.values()):
+                raise ValueError("progress counters are not integers")
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
+        raise corrupt(url, f"its record does not decode ({err})") from None
+    return {**record, "progress": progress}
 
 
 def write_payload(
@@ -106,11 +162,15 @@ def read(
         url, map_location=map_location, commit=commit, storage_options=storage_options
     )
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        keys = sorted(payload)[:8] if isinstance(payload, dict) else type(payload).__name__
+        keys = (
+            sorted(map(str, payload))[:8] if isinstance(payload, dict) else type(payload).__name__
+        )
         raise CheckpointError(
             f"{url} is not a purestep checkpoint (found {keys}); to start from another "
             "framework's weights use engine.checkpoint.load_weights"
         )
+    if type(payload.get("version", 0)) is not int:
+        raise CheckpointError(f"{url}: malformed checkpoint: its version is not an integer")
     if payload.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(
             f"{url} has checkpoint format {payload['version']}, newer than this version "
@@ -161,6 +221,8 @@ def _unpack(
 ) -> tuple[Any, dict[str, Any]]:
     state = _decode_entry(payload, "state", url)
     metadata = _decode_entry(payload, "metadata", url)
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{url}: malformed checkpoint: its metadata is not a dict")
     if target is not None:
         state = fit_to(state, target, strict=strict, url=url, stacklevel=4)
     return state, metadata

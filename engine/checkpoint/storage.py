@@ -4,13 +4,32 @@ A reader never sees a partial checkpoint. Where the filesystem can rename (local
 ``memory://``), the file is written under a hidden temporary name in the same folder and
 renamed into place. Where it cannot (object stores), the file is written in place and a
 commit marker ``<name>.complete`` is written after it; a file without its marker is not a
-checkpoint. Temporary files left by a killed writer are hidden (``.<name>.tmp-*``), ignored
-by discovery and removed by ``remove_partial``.
+checkpoint.
+
+Temporary files are hidden and named by their writer:
+``.<name>.tmp-<host>-<pid>-<start>-<random>``, where ``host`` is the host name and PID
+namespace, ``pid`` the writing process and ``start`` its start token (boot id and start
+time from ``/proc``, ``0`` where there is none). Discovery ignores them. ``remove_partial``
+deletes only files whose writer is gone: a writer of this host is gone when its pid no
+longer runs (or is a zombie, or now belongs to a process with another start token); for a
+writer it cannot check (another host, a name without an identity, a running pid whose start
+cannot be compared without ``/proc``) the file must also be untouched for ``STALE_AFTER_S``
+(an hour). So cleaning is safe while other processes write or read the folder; only the
+writer (``fit``) cleans, readers never delete.
+
+A write that fails for lack of space (the error chain has ``ENOSPC``, or the local disk is
+left with under 1 MiB free) is raised as ``OSError(ENOSPC)`` naming the file, chained to
+the original error; its temporary file is removed. ``check_writable`` probes a folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
+import socket
+import time
 import uuid
 from collections.abc import Callable
 from typing import IO, Any
@@ -19,6 +38,8 @@ import fsspec
 
 __all__ = [
     "MARKER_SUFFIX",
+    "STALE_AFTER_S",
+    "check_writable",
     "exists",
     "filesystem",
     "is_committed",
@@ -26,12 +47,23 @@ __all__ = [
     "open_read",
     "remove",
     "remove_partial",
+    "require_regular_file",
     "uses_marker",
     "write_atomic",
+    "writer_alive",
+    "writer_identity",
 ]
 
 MARKER_SUFFIX = ".complete"
 _RENAMING = ("file", "local", "memory")
+#: Seconds a temporary file whose writer cannot be checked must be untouched before
+#: ``remove_partial`` deletes it.
+STALE_AFTER_S = 3600.0
+_TMP = ".tmp-"
+_FULL_BYTES = 1 << 20  # a local disk with less free after a failed write counts as full
+_IDENTITY_RE = re.compile(r"\.tmp-([A-Za-z0-9._]+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
+_IDENTITIES: dict[int, str] = {}
+_TIME_KEYS = ("mtime", "created", "LastModified", "last_modified")  # as discover reads them
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None):
@@ -87,14 +119,17 @@ def write_atomic(
         marker = path + MARKER_SUFFIX
         if fs.exists(marker):
             fs.rm(marker)
-        with fs.open(path, "wb") as f:
-            write(f)
-        with fs.open(marker, "wb") as f:
-            f.write(b"ok")
+        try:
+            with fs.open(path, "wb") as f:
+                write(f)
+            with fs.open(marker, "wb") as f:
+                f.write(b"ok")
+        except Exception as err:
+            if _out_of_space(err, fs, parent):
+                raise _no_space(url, "the file has no commit marker, so it is not used") from err
+            raise
         return
-    tmp = (
-        f"{parent}/.{name}.tmp-{uuid.uuid4().hex}" if parent else f".{name}.tmp-{uuid.uuid4().hex}"
-    )
+    tmp = _join(parent, f".{name}{_TMP}{writer_identity()}-{uuid.uuid4().hex[:12]}")
     try:
         if _is_local(fs):
             with open(tmp, "wb") as f:
@@ -109,12 +144,52 @@ def write_atomic(
             with fs.open(tmp, "wb") as f:
                 write(f)
             fs.mv(tmp, path)
-    except BaseException:
-        try:
+    except BaseException as err:
+        full = isinstance(err, Exception) and _out_of_space(err, fs, parent)
+        with contextlib.suppress(OSError):
             if fs.exists(tmp):
                 fs.rm(tmp)
-        finally:
-            raise
+        if full:
+            raise _no_space(
+                url, "its temporary file was removed; the file there before is intact"
+            ) from err
+        raise
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+def _out_of_space(err: BaseException, fs: Any, folder: str) -> bool:
+    """Whether a failed write ran out of space: ``ENOSPC``/``EDQUOT`` in the error chain
+    (torch's zip writer reports a short write as a ``RuntimeError`` caused by it), else a
+    local disk left with almost no free space."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in codes:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(err, OSError) and err.errno not in (None, errno.EIO):
+        return False  # an error of its own kind (a missing or read-only folder, ...)
+    if not (_is_local(fs) and hasattr(os, "statvfs")):
+        return False
+    try:
+        st = os.statvfs(folder or ".")
+    except OSError:
+        return False
+    root = getattr(os, "geteuid", lambda: -1)() == 0  # root may use the reserved blocks
+    return (st.f_bfree if root else st.f_bavail) * st.f_frsize < _FULL_BYTES
+
+
+def _no_space(url: str, outcome: str) -> OSError:
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device: writing the checkpoint {url} failed ({outcome}); "
+        "free some space and save again",
+    )
 
 
 def _fsync_dir(path: str) -> None:
@@ -139,6 +214,7 @@ def is_committed(
 
 
 def exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether anything is at ``url`` (a file of any kind; ``open_read`` refuses non-files)."""
     fs, path = filesystem(url, storage_options)
     return fs.exists(path)
 
@@ -146,7 +222,8 @@ def exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:
 def open_read(
     url: str, *, commit: str = "auto", storage_options: dict[str, Any] | None = None
 ) -> IO[bytes]:
-    """Open a checkpoint for reading; a missing or uncommitted file is a clear error."""
+    """Open a checkpoint for reading; a missing or uncommitted file is a clear error, and so
+    is anything that is not a regular file (checked before opening: a FIFO would block)."""
     fs, path = filesystem(url, storage_options)
     if not fs.exists(path):
         raise FileNotFoundError(f"no checkpoint at {url}")
@@ -154,7 +231,40 @@ def open_read(
         raise FileNotFoundError(
             f"{url} has no commit marker ({MARKER_SUFFIX}): it was not completely written"
         )
+    require_regular_file(fs, path, url)
     return fs.open(path, "rb")
+
+
+def require_regular_file(fs: Any, path: str, url: str) -> None:
+    """Refuse ``path`` unless it is a regular file (symlinks followed): a FIFO, device,
+    socket or directory is a ``CheckpointError`` naming ``url``, and is never opened.
+
+    Local files are checked with ``os.stat``; other filesystems by their ``info`` type."""
+    import stat
+
+    from .codec import CheckpointError
+
+    if _is_local(fs):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no checkpoint at {url}") from None
+        if stat.S_ISREG(mode):
+            return
+        kinds = [
+            (stat.S_ISDIR, "a directory"),
+            (stat.S_ISFIFO, "a FIFO (named pipe)"),
+            (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"),
+            (stat.S_ISSOCK, "a socket"),
+        ]
+        kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    else:
+        kind = fs.info(path).get("type", "file")
+        if kind == "file":
+            return
+        kind = f"a {kind}" if kind == "directory" else f"of type {kind!r}"
+    raise CheckpointError(f"{url} is {kind}, not a checkpoint file; refusing to open it")
 
 
 def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -165,21 +275,127 @@ def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
             fs.rm(p)
 
 
-def remove_partial(folder: str, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Delete temporary files a killed writer left in ``folder``; return their paths.
+def remove_partial(
+    folder: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    stale_after: float = STALE_AFTER_S,
+) -> list[str]:
+    """Delete the temporary files in ``folder`` whose writer is gone; return their paths.
 
-    Call it only when no live writer uses ``folder`` (a live write's temporary file would be
-    deleted under it): the Trainer does, on the primary process, before it writes there."""
+    A file of a writer on this host goes once that process has ended; any other (another
+    host's writer, a name without a writer identity) once it has been untouched for
+    ``stale_after`` seconds. A live writer's file is never deleted, so this is safe while
+    other processes use the folder. Files that cannot be deleted (a read-only folder) stay.
+    """
+    from .discover import modified_time  # discover imports this module
+
     fs, path = filesystem(folder, storage_options)
     if not fs.exists(path):
         return []
+    now = time.time()
     removed = []
-    for entry in fs.ls(path, detail=False):
+    for info in fs.ls(path, detail=True):
+        entry = info["name"]
         name = entry.rsplit("/", 1)[-1]
-        if name.startswith(".") and ".tmp-" in name:
-            try:
-                fs.rm(entry)
-            except FileNotFoundError:  # its writer finished (renamed it) or removed it
-                continue
-            removed.append(entry)
+        if not name.startswith(".") or _TMP not in name or info.get("type") == "directory":
+            continue
+        alive = writer_alive(name)
+        if alive is None:  # cannot tell: only an old file counts as abandoned
+            dated = any(info.get(k) is not None for k in _TIME_KEYS)  # else: keep it
+            alive = not dated or now - modified_time(info) < stale_after
+        if alive:
+            continue
+        try:
+            fs.rm(entry)
+        except FileNotFoundError:  # its writer finished (renamed it) or removed it
+            continue
+        except OSError:  # a read-only folder, or not ours to delete: leave it
+            continue
+        removed.append(entry)
     return removed
+
+
+def check_writable(folder: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Raise an ``OSError`` naming ``folder`` unless a file can be created and deleted in
+    it. A missing folder is created for the probe and removed again."""
+    fs, path = filesystem(folder, storage_options)
+    created: list[str] = []
+    if _is_local(fs):
+        parent = os.path.abspath(path)
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            created.append(parent)
+            parent = os.path.dirname(parent)
+    probe = _join(
+        path.rstrip("/"), f".write-probe{_TMP}{writer_identity()}-{uuid.uuid4().hex[:12]}"
+    )
+    try:
+        fs.makedirs(path, exist_ok=True)
+        with fs.open(probe, "wb"):
+            pass  # empty: this checks permission; a full disk is reported by the save
+        fs.rm(probe)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise OSError(err.errno, f"cannot write checkpoints to {folder}: {reason}") from err
+    finally:
+        for d in created:  # deepest first; a folder something else filled stays
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def writer_identity(pid: int | None = None) -> str:
+    """The writer identity ``<host>-<pid>-<start>`` of this process, or of process ``pid``
+    of this host (see the module docstring)."""
+    if pid is not None:
+        return f"{_host_token()}-{pid}-{_start_token(pid) or '0'}"
+    pid = os.getpid()
+    if pid not in _IDENTITIES:  # keyed by pid: a forked child has its own
+        _IDENTITIES[pid] = writer_identity(pid)
+    return _IDENTITIES[pid]
+
+
+def writer_alive(name: str) -> bool | None:
+    """Whether the writer named in the temporary file name ``name`` still runs; None when
+    that cannot be told here (another host, no identity in the name, no ``/proc``)."""
+    match = _IDENTITY_RE.search(name)
+    if match is None or os.name == "nt" or match.group(1) != _host_token():
+        return None
+    pid, start = int(match.group(2)), match.group(3)
+    if pid == os.getpid():
+        return start == writer_identity().rsplit("-", 1)[1]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        pass
+    except OSError:
+        return None
+    current = _start_token(pid)
+    if current is None or start == "0":
+        return None
+    return current == start
+
+
+def _host_token() -> str:
+    """The host name, made name-safe, and the PID namespace (where pids are comparable)."""
+    host = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())[:40] or "host"
+    try:
+        return f"{host}.{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:
+        return host
+
+
+def _start_token(pid: int) -> str | None:
+    """Boot id and start time of process ``pid`` (hex); None where ``/proc`` has none,
+    ``"ended"`` for a zombie (it has exited, only not been reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:8]
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return "ended"  # never equal to a start token
+    return f"{boot}{int(fields[19]):x}"

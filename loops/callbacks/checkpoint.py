@@ -3,8 +3,16 @@
 Lightning's ModelCheckpoint semantics as a pure callback: it decides and asks; the driver
 writes the files at its next commit point (so every checkpoint holds a state the loop can
 resume from exactly) and deletes evicted ones afterwards. Its bookkeeping — the best ``k``
-paths and scores, the best and last paths, the step of the last save — is its state inside
+files and scores, the best and last files, the step of the last save — is its state inside
 ``TrainState.callbacks``, so it is saved in every checkpoint and restored on resume.
+
+Paths in that state are file names relative to the checkpoint folder (``dirpath``, else
+``<log_dir>/checkpoints``), which is configuration, never read from a checkpoint: a moved
+run folder resumes in its new place. On resume, names that are not this callback's own
+(its ``filename`` template or ``last``, optionally ``-vN``, ending ``.ckpt``; no ``..``, no
+absolute path) are dropped with a message, and bookkeeping none of whose files is in the
+folder (a checkpoint written elsewhere) starts afresh, so nothing a checkpoint says makes
+the run write or delete outside its folder. ``full_path`` gives the path for the user.
 
 Saves happen at train-batch end (``every_n_train_steps``, ``train_time_interval``), at
 train-epoch end or validation end (``every_n_epochs``; which of the two follows
@@ -19,7 +27,9 @@ The time-based trigger reads the driver's clock and keeps its last check outside
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,10 +43,37 @@ __all__ = ["ModelCheckpoint"]
 
 _EXT = ".ckpt"
 _LAST = "last"
+# The state entries holding one file name (relative to the folder) each.
+_NAMED = ("kth_best_model_path", "best_model_path", "last_model_path", "last_checkpoint_saved")
 
 
 def _float(value: Any) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}"
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    """Whether two paths name one file (local paths compared absolute and normalized)."""
+    if not b:
+        return False
+    if "://" in a or "://" in b:
+        return a == b
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
+def _template_regex(template: str, auto_insert: bool) -> str:
+    """A regex for the stems ``format_name`` makes from ``template`` (fields: no separators)."""
+    out = []
+    for part in re.split(r"(\{[^{}]*\})", template):
+        if part.startswith("{") and part.endswith("}"):
+            name = re.split(r"[:}]", part[1:], maxsplit=1)[0]
+            out.append((re.escape(name + "=") if auto_insert else "") + r"[^/\\\x00]*")
+        else:
+            out.append(re.escape(part))
+    return "".join(out)
 
 
 class ModelCheckpoint(Callback):
@@ -109,13 +146,19 @@ class ModelCheckpoint(Callback):
         self.enable_version_counter = enable_version_counter
         self.name = name
         self._last_time_checked: float | None = None
+        self._own_name = re.compile(
+            "(?:{}|{})(?:-v\\d+)?{}".format(
+                _template_regex(filename or "{epoch}-{step}", auto_insert_metric_name),
+                _template_regex(_LAST, auto_insert_metric_name),
+                re.escape(_EXT),
+            )
+        )
 
     # ------------------------------------------------------------------ state
 
     def init(self) -> dict[str, Any]:
         worst = math.inf if self.mode == "min" else -math.inf
         return {
-            "dirpath": self.dirpath,
             "best_k_models": {},
             "kth_best_model_path": "",
             "kth_value": worst,
@@ -150,11 +193,28 @@ class ModelCheckpoint(Callback):
     def _epoch_due(self, ctx: Context) -> bool:
         return self.every_n_epochs >= 1 and (ctx.epoch + 1) % self.every_n_epochs == 0
 
-    def _dirpath(self, state: dict[str, Any], ctx: Context) -> str:
-        if state["dirpath"]:
-            return state["dirpath"]
-        root = ctx.log_dir or "."
-        return root.rstrip("/") + "/checkpoints"
+    def folder(self, log_dir: str | None) -> str:
+        """The checkpoint folder of a run logging to ``log_dir``: ``dirpath``, else
+        ``<log_dir>/checkpoints``."""
+        if self.dirpath:
+            return self.dirpath
+        return (log_dir or ".").rstrip("/") + "/checkpoints"
+
+    def owns(self, name: Any) -> bool:
+        """Whether ``name`` is a file name this callback writes: its template or ``last``
+        (``-vN`` optional) ending ``.ckpt``, with no empty, hidden, ``.`` or ``..`` part."""
+        if not isinstance(name, str) or not self._own_name.fullmatch(name):
+            return False
+        parts = name.split("/")
+        return all(p and not p.startswith(".") for p in parts)
+
+    def full_path(self, name: str, log_dir: str | None) -> str:
+        """The full path of the bookkeeping entry ``name`` ("" stays "") for the user."""
+        if not name:
+            return ""
+        if not self.owns(name):
+            raise ValueError(f"ModelCheckpoint: {name!r} is not a checkpoint name of this callback")
+        return _join(self.folder(log_dir), name)
 
     def format_name(self, metrics: dict[str, Any], filename: str | None = None) -> str:
         """The file stem for ``metrics`` under the template (Lightning's rules)."""
@@ -176,23 +236,29 @@ class ModelCheckpoint(Callback):
         return out
 
     def _path(self, state: dict[str, Any], ctx: Context, stem: str, replaceable: str | None) -> str:
-        folder = self._dirpath(state, ctx).rstrip("/")
-        path = f"{folder}/{stem}{_EXT}"
+        """The name (relative to the folder) to save ``stem`` under, ``-vN`` if taken."""
+        folder = self.folder(ctx.log_dir)
+        name = f"{stem}{_EXT}"
         if not self.enable_version_counter or ctx.exists is None:
-            return path
+            return name
         version = 1
-        while path != replaceable and ctx.exists(path):
-            path = f"{folder}/{stem}-v{version}{_EXT}"
+        while name != replaceable and ctx.exists(_join(folder, name)):
+            name = f"{stem}-v{version}{_EXT}"
             version += 1
-        return path
+        return name
 
-    @staticmethod
-    def _removable(old: str | None, new: str, ctx: Context) -> bool:
-        """Whether ``old`` may be deleted now: not the file being written, and not the
-        checkpoint this run resumed from (``ctx.extra["resumed_from"]``)."""
-        return bool(old) and old != new and old != ctx.extra.get("resumed_from")
+    def _removable(self, old: str | None, new: str, ctx: Context) -> bool:
+        """Whether the file named ``old`` may be deleted now: one of ours, not the file
+        being written, and not the checkpoint this run resumed from."""
+        if not old or old == new or not self.owns(old):
+            return False
+        return not _same_path(_join(self.folder(ctx.log_dir), old), ctx.extra.get("resumed_from"))
 
-    def _request_save(self, path: str) -> Requests:
+    def _remove(self, name: str, ctx: Context) -> Requests:
+        return Requests(remove=(_join(self.folder(ctx.log_dir), name),))
+
+    def _request_save(self, name: str, ctx: Context) -> Requests:
+        path = _join(self.folder(ctx.log_dir), name)
         if self.save_weights_only:
             return Requests(save_weights=(path,))
         return Requests(save=(path,))
@@ -207,9 +273,9 @@ class ModelCheckpoint(Callback):
         if self.monitor is None:
             previous = state["best_model_path"]
             path = self._path(state, ctx, self.format_name(metrics), previous)
-            requests = self._request_save(path)
+            requests = self._request_save(path, ctx)
             if self.save_top_k == 1 and self._removable(previous, path, ctx):
-                requests = requests | Requests(remove=(previous,))
+                requests = requests | self._remove(previous, ctx)
             state["best_model_path"] = path
             return self._saved(state, ctx, path), requests
         if self.monitor not in ctx.metrics:
@@ -253,15 +319,15 @@ class ModelCheckpoint(Callback):
         state["best_model_path"] = best(best_k, key=best_k.get)
         state["best_model_score"] = best_k[state["best_model_path"]]
         state["best_k_models"] = best_k
-        requests = self._request_save(path)
+        requests = self._request_save(path, ctx)
         if self._removable(evicted, path, ctx):
-            requests = requests | Requests(remove=(evicted,))
+            requests = requests | self._remove(evicted, ctx)
         if self.verbose:
             requests = requests | Requests(
                 messages=(
                     f"Epoch {ctx.epoch}, global step {ctx.global_step}: {self.monitor!r} "
                     f"reached {current:.5f} (best {state['best_model_score']:.5f}), saving "
-                    f"model to {path!r} as top {k}",
+                    f"model to {_join(self.folder(ctx.log_dir), path)!r} as top {k}",
                 )
             )
         return self._saved(state, ctx, path), requests
@@ -275,12 +341,14 @@ class ModelCheckpoint(Callback):
         path = self._path(state, ctx, stem, previous)
         state["last_model_path"] = path
         if self.save_last == "link" and state["last_checkpoint_saved"] and self.save_top_k != 0:
-            requests = Requests(link=((state["last_checkpoint_saved"], path),))
+            folder = self.folder(ctx.log_dir)
+            target = _join(folder, state["last_checkpoint_saved"])
+            requests = Requests(link=((target, _join(folder, path)),))
         else:
-            requests = self._request_save(path)
+            requests = self._request_save(path, ctx)
             state = self._saved(state, ctx, path)
         if self._removable(previous, path, ctx):
-            requests = requests | Requests(remove=(previous,))
+            requests = requests | self._remove(previous, ctx)
         return state, requests
 
     def _saved(self, state: dict[str, Any], ctx: Context, path: str) -> dict[str, Any]:
@@ -296,23 +364,100 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ events
 
     def on_fit_start(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
-        messages: tuple[str, ...] = ()
-        if self.dirpath is not None and state["dirpath"] and state["dirpath"] != self.dirpath:
-            # resumed with a different folder: Lightning keeps only the best path
-            messages = (
-                f"ModelCheckpoint: the checkpoint was written to {state['dirpath']!r}, this run "
-                f"saves to {self.dirpath!r}; only its best_model_path is kept",
-            )
-            state = {**self.init(), "best_model_path": state["best_model_path"]}
-        state = dict(state)
-        state["dirpath"] = self._dirpath(state, ctx)
-        remote = "://" in state["dirpath"] and not state["dirpath"].startswith("file://")
+        folder = self.folder(ctx.log_dir)
+        remote = "://" in folder and not folder.startswith("file://")
         if self.save_last == "link" and remote:
             raise ValueError(
-                f"ModelCheckpoint(save_last='link') needs a local folder, got "
-                f"{state['dirpath']!r}; use save_last=True"
+                f"ModelCheckpoint(save_last='link') needs a local folder, got {folder!r}; "
+                "use save_last=True"
             )
+        state, messages = self._adopt(state, ctx, folder)
         return state, Requests(messages=messages) if messages else NOTHING
+
+    def _adopt(
+        self, saved: Any, ctx: Context, folder: str
+    ) -> tuple[dict[str, Any], tuple[str, ...]]:
+        """The restored state ``saved`` checked against this folder (see the module
+        docstring): entries that are not our names in it are dropped, with a message."""
+        fresh = self.init()
+        if not isinstance(saved, Mapping):
+            return fresh, (
+                f"ModelCheckpoint: ignoring a restored state that is no mapping: {saved!r}",
+            )
+        state = {key: saved.get(key, value) for key, value in fresh.items()}
+        # Before paths were relative, states held full paths and the folder ("dirpath").
+        legacy = saved.get("dirpath")
+        prefix = legacy.rstrip("/") + "/" if isinstance(legacy, str) and legacy else None
+        dropped: list[Any] = []
+
+        def name(value: Any) -> str:
+            if value == "":
+                return ""
+            if isinstance(value, str) and prefix and value.startswith(prefix):
+                value = value[len(prefix) :]
+            if self.owns(value):
+                return value
+            dropped.append(value)
+            return ""
+
+        best_k: dict[str, float] = {}
+        raw = state["best_k_models"] if isinstance(state["best_k_models"], Mapping) else {}
+        if raw is not state["best_k_models"]:
+            dropped.append(state["best_k_models"])
+        for key, score in raw.items():
+            key = name(key)
+            if key and isinstance(score, (int, float)) and not isinstance(score, bool):
+                best_k[key] = float(score)
+            elif key:
+                dropped.append(key)
+        state["best_k_models"] = best_k
+        for key in _NAMED:
+            state[key] = name(state[key])
+        state = self._consistent(state, fresh)
+        messages: tuple[str, ...] = ()
+        dropped = list(dict.fromkeys(repr(d) for d in dropped))
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+            messages += (
+                f"ModelCheckpoint: ignoring {len(dropped)} restored path(s) that are not "
+                f"checkpoint names of this callback inside {folder!r}: {shown}; nothing "
+                "outside the checkpoint folder is written or deleted",
+            )
+        names = {*best_k, *(state[key] for key in _NAMED)} - {""}
+        if (
+            names
+            and ctx.exists is not None
+            and not any(ctx.exists(_join(folder, n)) for n in sorted(names))
+        ):
+            messages += (
+                f"ModelCheckpoint: none of the checkpoints the restored state names is in "
+                f"{folder!r} (written to another folder?): starting its bookkeeping afresh",
+            )
+            state = fresh
+        return state, messages
+
+    def _consistent(self, state: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the k-th and best entries that ``best_k_models`` implies, where
+        restoring left them pointing at nothing."""
+        best_k = state["best_k_models"]
+        if state["kth_best_model_path"] and state["kth_best_model_path"] not in best_k:
+            state["kth_best_model_path"] = ""
+        if not state["kth_best_model_path"]:
+            state["kth_value"] = fresh["kth_value"]
+            k = len(best_k) if self.save_top_k == -1 else self.save_top_k
+            if best_k and len(best_k) >= k > 0:
+                worst = max if self.mode == "min" else min
+                state["kth_best_model_path"] = worst(best_k, key=best_k.get)
+                state["kth_value"] = best_k[state["kth_best_model_path"]]
+        if self.monitor is not None and state["best_model_path"] not in best_k:
+            if best_k:
+                best = min if self.mode == "min" else max
+                state["best_model_path"] = best(best_k, key=best_k.get)
+                state["best_model_score"] = best_k[state["best_model_path"]]
+            else:
+                state["best_model_path"] = ""
+                state["best_model_score"] = None
+        return state
 
     def on_train_start(
         self, state: dict[str, Any], ctx: Context
@@ -385,7 +530,7 @@ class ModelCheckpoint(Callback):
         path = self._path(state, ctx, self.format_name(self._metrics(ctx)), None)
         state = self._saved(dict(state), ctx, path)
         state, last = self._save_last(state, ctx)
-        return state, self._request_save(path) | last
+        return state, self._request_save(path, ctx) | last
 
 
 def _seconds(value: Any) -> float | None:

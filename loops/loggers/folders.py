@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 _VERSION_DIR = re.compile(r"version_(\d+)")
+# Characters a version folder name may not hold: it must stay one level under the root.
+_SEPARATORS = {"/", "\\", "\0", os.sep, *([os.altsep] if os.altsep else [])}
 
 
 def _is_url(path: str) -> bool:
@@ -70,8 +72,13 @@ def check_version(version: Any) -> int | str | None:
         raise TypeError(f"version must be an int, a str or None, got {version!r}")
     if isinstance(version, int) and version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
-    if isinstance(version, str) and (not version or "/" in version or version in (".", "..")):
-        raise ValueError(f"version must be a folder name (non-empty, no '/'), got {version!r}")
+    if isinstance(version, str) and (
+        not version or any(c in version for c in _SEPARATORS) or version in (".", "..")
+    ):
+        raise ValueError(
+            "version must be a folder name (non-empty, no '/', '\\' or NUL, not '.' or "
+            f"'..'), got {version!r}"
+        )
     return version
 
 
@@ -152,8 +159,18 @@ class RunFolder:
         return join(run_dir(self.save_dir, self.name, self.version), self.sub_dir)
 
     def adopt(self, version: int | str) -> None:
-        """Continue the run in ``version`` (a checkpoint's); conflicts with a given version."""
-        version = check_version(version)
+        """Continue the run in ``version`` (a checkpoint's); conflicts with a given version.
+
+        A restored version must be a plain one (an int >= 0 or a folder name without path
+        separators or ``..``), so a checkpoint cannot move the logs out of ``root_dir``.
+        """
+        try:
+            version = check_version(version)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"the logger state to restore names version {version!r}, which is not a "
+                f"plain version of a run under {self.root_dir} ({err})"
+            ) from None
         if version is None:
             return
         if self.given_version is not None and self.given_version != version:
