@@ -17,8 +17,18 @@ CPU tensors such as metrics or objects), the device being ``cuda:LOCAL_RANK``. `
 (seconds; default 60, or an adopted group's own) bounds every collective: when a peer
 crashes or hangs, the others raise ``CollectiveError`` naming the operation instead of
 waiting forever (with gloo a killed peer is usually noticed at once, a hung one after the
-timeout; NCCL's watchdog aborts the process after the timeout). ``close()`` (or ``with``)
-destroys a group this value created.
+timeout; NCCL's watchdog aborts the process after the timeout). Forming the group is
+bounded by ``timeout`` too (``hardware.group``: the store connection, every rank checking
+in, the backend's rendezvous); the error names the ranks that did not come.
+
+**Lifetime.** ``close()`` (or ``with``) destroys a group this value created; one the user or
+``hardware.launch`` created is left alone. ``release()`` destroys it but keeps the store, and
+the next collective (or ``open()``) forms it again. ``run_scope()`` is what the Trainer wraps
+each run (``fit``, ``validate``, ``test``, ``predict``) in: it forms the group again if it was
+released and, for a strategy built from ``Trainer(strategy="ddp")``, releases the group at
+the end of the run, success or failure, so that no group is alive when the process exits
+(an undestroyed group can abort the interpreter at exit). Groups a ``ddp()`` value created
+and still holds are destroyed at exit in any case.
 
 **State.** ``prepare_state`` (run by ``engine.init``) checks that every rank has the same
 parameter and buffer names, shapes and dtypes, then broadcasts rank 0's values, so ranks
@@ -48,9 +58,13 @@ checkpoints at window boundaries, or every rank's own state.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import datetime
 import hashlib
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,6 +78,7 @@ from purestep.engine.strategy import Precision, Strategy
 from purestep.engine.tree import PyTree, flatten_with_paths
 
 from .collectives import all_reduce_tree, broadcast_tree, check_op, diagnosed
+from .group import form_group
 from .precision import precision as make_precision
 from .process_env import ProcessEnv
 
@@ -91,6 +106,9 @@ class DDP(Strategy):
         sync_batchnorm: bool,
         buffers: str,
         owns_group: bool,
+        env: ProcessEnv | None = None,
+        store: Any = None,
+        per_run: bool = False,
     ) -> None:
         if buffers not in BUFFER_MODES:
             raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
@@ -104,6 +122,14 @@ class DDP(Strategy):
         self.sync_batchnorm = sync_batchnorm
         self.buffers = buffers
         self._owns_group = owns_group
+        self._env = env  # with the store: how to form the group again after release()
+        self._store = store
+        self._released = False
+        self._runs = 0  # nesting depth of run_scope()
+        #: Whether each Trainer run releases the group at its end (Trainer(strategy="ddp")).
+        self.per_run = per_run
+        if owns_group:
+            _OWNED.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -170,14 +196,17 @@ class DDP(Strategy):
     def all_reduce(self, tree: Any, op: str = "mean") -> Any:
         """``tree`` reduced across ranks ("mean" | "sum" | "max" | "min"): one collective per
         (dtype, device) bucket; pure (new tensors); see ``hardware.collectives``."""
+        self._ready()
         return all_reduce_tree(tree, op, timeout=self.timeout)
 
     def broadcast(self, tree: Any, src: int = 0) -> Any:
         """``tree`` as rank ``src`` has it, on every rank (new tensors)."""
+        self._ready()
         return broadcast_tree(tree, src, timeout=self.timeout)
 
     def barrier(self) -> None:
         """Wait for every rank (gloo: ``monitored_barrier``, which names a missing rank)."""
+        self._ready()
         with diagnosed("barrier", self.timeout):
             if self.backend == "gloo":
                 dist.monitored_barrier(
@@ -191,6 +220,7 @@ class DDP(Strategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order."""
         out: list[Any] = [None] * self.world_size
+        self._ready()
         with diagnosed("all_gather_object", self.timeout):
             dist.all_gather_object(out, obj)
         return out
@@ -201,6 +231,7 @@ class DDP(Strategy):
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src!r}")
         box = [obj]
+        self._ready()
         with diagnosed(f"broadcast_object from rank {src}", self.timeout):
             dist.broadcast_object_list(box, src=src)
         return box[0]
@@ -257,11 +288,53 @@ class DDP(Strategy):
 
     # ------------------------------------------------------------------ lifetime
 
-    def close(self) -> None:
-        """Destroy the process group if this value created it (idempotent)."""
-        if self._owns_group and dist.is_initialized():
+    def open(self) -> None:
+        """Form the process group again if this value created it and ``release()`` destroyed
+        it (every rank must call it, as for a collective); otherwise nothing happens."""
+        if not self._released:
+            return
+        if dist.is_initialized():
+            raise RuntimeError(
+                "cannot form this DDP strategy's process group again: another default group "
+                "was initialised meanwhile"
+            )
+        assert self._env is not None
+        self._store = form_group(self.backend, self._env, self.timeout, store=self._store)
+        self._released = False
+
+    def release(self) -> None:
+        """Destroy the process group if this value created it, keeping what is needed to
+        form it again (``open()``, or the next collective); idempotent."""
+        if self._owns_group and not self._released and dist.is_initialized():
             dist.destroy_process_group()
+            self._released = self._env is not None
+            if not self._released:
+                self._owns_group = False
+
+    @contextlib.contextmanager
+    def run_scope(self) -> Iterator[None]:
+        """One Trainer run: the group formed again if released; at the end (also on failure)
+        released again when ``per_run`` (the strategy came from ``Trainer(strategy="ddp")``)."""
+        self.open()
+        self._runs += 1
+        try:
+            yield
+        finally:
+            self._runs -= 1
+            if self._runs == 0 and self.per_run:
+                self.release()
+
+    def close(self) -> None:
+        """Destroy the process group if this value created it (idempotent; final)."""
+        self.release()
         self._owns_group = False
+        self._released = False
+        self._store = None
+        _OWNED.discard(self)
+
+    def _ready(self) -> None:
+        if self._released:
+            self.open()
 
     def __enter__(self) -> DDP:
         return self
@@ -301,6 +374,16 @@ class DDPTrainStep(TrainStep):
 
 #: Seconds a collective may wait when ``ddp()`` creates the group and no timeout is given.
 DEFAULT_TIMEOUT = 60.0
+
+# The values that created a group and may still hold it; destroyed at exit.
+_OWNED: weakref.WeakSet[DDP] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_owned() -> None:
+    for value in list(_OWNED):
+        with contextlib.suppress(Exception):
+            value.close()
 
 
 def _group_timeout() -> float:
@@ -354,6 +437,7 @@ def ddp(
     *,
     buffers: str = "broadcast",
     loss_scale: DynamicLossScale | None = None,
+    per_run: bool = False,
 ) -> DDP:
     """This process's rank of a data-parallel run, with the process group initialised.
 
@@ -362,14 +446,15 @@ def ddp(
     the timeout of an already initialised group, which is adopted as it is (an explicit
     ``backend`` must match it; an explicit ``timeout`` is applied to it). ``device``:
     default ``cuda:LOCAL_RANK`` when CUDA is available, else CPU. ``buffers``: one of
-    ``BUFFER_MODES`` (see the module docstring).
+    ``BUFFER_MODES`` (see the module docstring). ``per_run``: a Trainer run releases the
+    group at its end (``DDP.run_scope``).
     """
     seconds = None if timeout is None else _seconds(timeout)
     if buffers not in BUFFER_MODES:
         raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
-    owns = False
+    owns, env, store = False, None, None
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
@@ -400,13 +485,7 @@ def ddp(
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         try:
-            dist.init_process_group(
-                backend,
-                init_method="env://",
-                rank=rank,
-                world_size=world,
-                timeout=datetime.timedelta(seconds=seconds),
-            )
+            store = form_group(backend, env, seconds)
         except (RuntimeError, ValueError) as err:
             raise RuntimeError(
                 f"rank {rank}: could not form the process group of {world} ranks at "
@@ -430,6 +509,9 @@ def ddp(
         sync_batchnorm=bool(sync_batchnorm),
         buffers=buffers,
         owns_group=owns,
+        env=env if owns else None,
+        store=store,
+        per_run=per_run,
     )
 
 
@@ -452,4 +534,5 @@ def ddp_from_flags(use_cuda: bool, devices: Any, count: int | None, precision: A
     device: str | torch.device = "cuda" if use_cuda else "cpu"
     if use_cuda and isinstance(devices, (list, tuple)):
         device = torch.device("cuda", int(devices[local_rank]))
-    return ddp(precision=precision, device=device)
+    # The Trainer made this value: each of its runs destroys the group at its end.
+    return ddp(precision=precision, device=device, per_run=True)

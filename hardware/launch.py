@@ -12,7 +12,8 @@ on their own (so a peer's collective error is reported too), then are terminated
 ``LaunchError`` names each failed rank with its exception and traceback (or the signal that
 killed it). ``max_seconds`` bounds the whole run (``LaunchTimeout``). Processes never outlive
 the call: survivors are terminated (SIGTERM, then SIGKILL), and on Linux every worker is
-killed by the kernel if the launching process dies.
+killed by the kernel if the launching process dies (``hardware.pdeathsig``). Forming the
+group is bounded by ``timeout`` (``hardware.group``).
 
 Threads: each worker runs ``torch.set_num_threads(threads)``; by default 1 unless
 ``OMP_NUM_THREADS`` is set, as ``torchrun`` does, so ranks do not fight over cores.
@@ -21,8 +22,6 @@ Threads: each worker runs ``torch.set_num_threads(threads)``; by default 1 unles
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import datetime
 import os
 import pickle
 import signal
@@ -39,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .group import form_group
+from .pdeathsig import die_with_parent
 from .process_env import ProcessEnv
 
 __all__ = ["LaunchError", "LaunchTimeout", "free_port", "launch"]
@@ -70,15 +71,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 # ---------------------------------------------------------------------- worker side
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux; best effort)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
-
-
 def _write(path: str, payload: Any) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
@@ -98,7 +90,7 @@ def _worker(
     out_dir: str,
     parent_pid: int,
 ) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     env = ProcessEnv(rank, nprocs, rank, nprocs, "127.0.0.1", port)
     os.environ.update(env.to_environ())
     if threads is not None:
@@ -107,13 +99,13 @@ def _worker(
     try:
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=rank,
-            world_size=nprocs,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        try:
+            form_group(backend, env, timeout)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"rank {rank}: could not form the process group of {nprocs} ranks within "
+                f"{timeout:g} s: {err}"
+            ) from err
         result = fn(rank, *args)
         try:
             _write(path, ("ok", result))

@@ -23,7 +23,14 @@ from .task import Task, task_callback
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["TrainerStatus", "driver_for", "entry_point", "printer", "run_context"]
+__all__ = [
+    "TrainerStatus",
+    "driver_for",
+    "entry_point",
+    "printer",
+    "run_context",
+    "strategy_scope",
+]
 
 
 class TrainerStatus:
@@ -37,7 +44,8 @@ class TrainerStatus:
 
 def entry_point(fn: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a Trainer method as a run: ``trainer.fn`` and status "running" while it runs,
-    status "interrupted" if anything fails, whatever the loop reported otherwise."""
+    status "interrupted" if anything fails, whatever the loop reported otherwise; the whole
+    run inside the strategy's ``run_scope`` (``strategy_scope``)."""
 
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -45,7 +53,8 @@ def entry_point(fn: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             self.fn = fn
             self.status = TrainerStatus.RUNNING
             try:
-                return method(self, *args, **kwargs)
+                with strategy_scope(self.strategy):
+                    return method(self, *args, **kwargs)
             except BaseException:
                 self.status = TrainerStatus.INTERRUPTED
                 raise
@@ -53,6 +62,14 @@ def entry_point(fn: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return run
 
     return wrap
+
+
+def strategy_scope(strategy: Any) -> contextlib.AbstractContextManager[Any]:
+    """What a strategy sets up for one run and tears down after it, success or failure
+    (``hardware.DDP.run_scope``: under ``Trainer(strategy="ddp")`` the process group is
+    formed for each run and destroyed at its end); nothing for other strategies."""
+    scope = getattr(strategy, "run_scope", None)
+    return scope() if scope is not None else contextlib.nullcontext()
 
 
 def printer(trainer: Trainer) -> Callable[[str], None]:

@@ -14,6 +14,8 @@ and starting an epoch must not change the caller's random stream.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from purestep.engine import rng
+from purestep.hardware.pdeathsig import die_with_parent
 
 from .options import Options
 
@@ -40,15 +43,23 @@ def seed_worker(key: int) -> None:
 class WorkerSeeder:
     """The ``worker_init_fn`` of the loaders built here (picklable, for spawned workers).
 
-    ``epoch`` is set by the source right before each iteration starts its workers.
+    ``epoch`` is set by the source right before each iteration starts its workers. Each
+    worker first asks the kernel to end it with the process that started it
+    (``hardware.pdeathsig``; Linux): torch's own check for a dead parent starts only after
+    ``worker_init_fn``, and a worker busy in ``__getitem__`` does not look, so workers of a
+    SIGKILLed run lived on (minutes, holding the job's stdout). Only for iterations started
+    from the main thread (the kernel ties a child to the thread that started it).
     """
 
     def __init__(self, seed: int, user_fn: Callable[[int], None] | None = None) -> None:
         self.seed = seed
         self.epoch = 0
         self.user_fn = user_fn
+        self.parent_pid: int | None = None  # set by start(); None: do not tie the workers
 
     def __call__(self, worker_id: int) -> None:
+        if self.parent_pid is not None:
+            die_with_parent(self.parent_pid)
         seed_worker(worker_key(self.seed, self.epoch, worker_id))
         if self.user_fn is not None:
             self.user_fn(worker_id)
@@ -56,6 +67,8 @@ class WorkerSeeder:
     def start(self, loader: DataLoader, epoch: int) -> None:
         """Prepare ``loader`` (built with this seeder) for an iteration of ``epoch``."""
         self.epoch = epoch
+        on_main = threading.current_thread() is threading.main_thread()
+        self.parent_pid = os.getpid() if on_main else None
         loader.generator.manual_seed(rng.fold_in(self.seed, rng.Purpose.WORKER, epoch))
 
 
