@@ -3,7 +3,8 @@
 A 60 / 20 / 20 % train / validation / test split, a progress bar, TensorBoard logs and
 checkpoints under ``runs/digits/tensorboard/version_N``, CSV logs under
 ``runs/digits/csv/version_N``; the run is a pure function of ``--seed``. The last
-line printed is ``test_acc=<x>``. ``--resume`` continues from the furthest checkpoint of the latest run.
+line printed is ``test_acc=<x>``. ``--resume`` continues from the furthest checkpoint of the
+latest run.
 """
 
 from __future__ import annotations
