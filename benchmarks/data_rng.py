@@ -11,8 +11,10 @@ epoch of ``loops.data.source(dataset, batch_size=32, shuffle=True)`` in the main
 ``scoped`` (the default: torch's CPU generator, ``random`` and numpy seeded per sample from
 its key, the caller's states saved and restored once per batch) and ``plain``
 (``scope_sample_rng=False``). Timing: ``_harness.interleaved``, the sides in rotating order,
-one epoch per block, medians over rounds. The last line is
-``ratio=<scoped / plain per sample> overhead_us=<scoped - plain, microseconds per sample>``.
+one epoch per block, medians over rounds. The ``_w`` sides read through one persistent
+DataLoader worker, where nothing is restored after a batch (the worker's streams serve only
+the data path). The last line is ``ratio=<scoped / plain per sample, main process>
+overhead_us=<scoped - plain, us per sample> worker_overhead_us=<the same in a worker>``.
 """
 
 from __future__ import annotations
@@ -51,9 +53,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     n, rounds = (512, 3) if args.quick else (4096, 15)
     ds = Jittered(n)
+    worker = {"num_workers": 1, "persistent_workers": True}
     sides = {
         "scoped": source(ds, batch_size=32, shuffle=True, seed=1),
         "plain": source(ds, batch_size=32, shuffle=True, seed=1, scope_sample_rng=False),
+        "scoped_w": source(ds, batch_size=32, shuffle=True, seed=1, **worker),
+        "plain_w": source(
+            ds, batch_size=32, shuffle=True, seed=1, scope_sample_rng=False, **worker
+        ),
     }
 
     def epoch(batches):
@@ -64,12 +71,19 @@ def main(argv: list[str] | None = None) -> None:
     samples = _harness.interleaved({k: epoch(b) for k, b in sides.items()}, rounds, 1)
     print(f"[{rounds} rounds, {n} samples per epoch] median (min..max) us per sample")
     for name, values in samples.items():
-        print(f"  {name:7s} {_harness.summary(values, 1e6 / n, 2)}")
+        print(f"  {name:8s} {_harness.summary(values, 1e6 / n, 2)}")
     ratio = statistics.median(s / p for s, p in zip(samples["scoped"], samples["plain"]))
-    overhead = (statistics.median(samples["scoped"]) - statistics.median(samples["plain"])) / n
+
+    def overhead(scoped: str, plain: str) -> float:
+        us = (statistics.median(samples[scoped]) - statistics.median(samples[plain])) / n * 1e6
+        return max(us, 0.001)
+
     if args.quick:
         print("--quick: a smoke run; its figures are too short to mean anything")
-    print(f"ratio={ratio:.3f} overhead_us={max(overhead * 1e6, 0.001):.2f}")
+    print(
+        f"ratio={ratio:.3f} overhead_us={overhead('scoped', 'plain'):.2f} "
+        f"worker_overhead_us={overhead('scoped_w', 'plain_w'):.2f}"
+    )
     sys.stdout.flush()
 
 

@@ -21,7 +21,7 @@ EXPECTED = {
     "fit_overhead.py": {"ratio", "step_ratio", "loop_ratio", "immutable_ratio"},
     "resume_cost.py": {"ratio", "data_ratio"},
     "checkpoint_io.py": {"save_ratio", "load_ratio"},
-    "data_rng.py": {"ratio", "overhead_us"},
+    "data_rng.py": {"ratio", "overhead_us", "worker_overhead_us"},
 }
 
 
