@@ -416,3 +416,15 @@ def test_across_folders_the_most_recently_written_run_comes_first(tmp_path):
         "epoch=250-step=1000.ckpt",
     ]
     assert ck.find_latest(folders).endswith("epoch=12-step=50.ckpt")
+
+
+def test_a_record_that_lies_about_its_progress_does_not_win(tmp_path):
+    """Ranking trusts the small record, so the chosen file's state must agree with it: a
+    file whose record claims step 10**18 is skipped with a warning once loaded."""
+    ck.save(_state(12), str(tmp_path / "epoch=3-step=12.ckpt"))
+    payload = ck.files.serialize(_state(8))
+    fake = ck.files.serialize(_state(10**18))["record"]
+    ck.files.write_payload({**payload, "record": fake}, str(tmp_path / "liar.ckpt"))
+    assert os.path.basename(ck.ranked(str(tmp_path))[0]) == "liar.ckpt"
+    with pytest.warns(UserWarning, match="liar.ckpt.*record states a progress"):
+        assert ck.find_latest(str(tmp_path)).endswith("epoch=3-step=12.ckpt")

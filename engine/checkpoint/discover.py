@@ -30,7 +30,7 @@ from typing import Any
 
 from . import storage
 from .codec import CheckpointError
-from .files import load_payload, read, read_record
+from .files import load_payload, matches_record, payload_record, read, read_record
 
 __all__ = ["candidates", "find_latest", "load_latest", "modified_time", "ranked", "read_latest"]
 
@@ -124,6 +124,11 @@ def _loadable(
         try:
             payload = read(url, commit=commit, storage_options=storage_options)
             state, metadata = load_payload(payload, url=url)
+            if not matches_record(state, payload_record(payload, url)):
+                raise CheckpointError(
+                    f"{url}: its record states a progress its state does not have (ranked by "
+                    "a record that is not its own)"
+                )
         except (CheckpointError, OSError) as err:
             _skip(url, err)
             continue

@@ -119,6 +119,28 @@ def read_record(
         if info.file_size > _RECORD_MAX_BYTES:
             return None
         data = read_entry(f, info, url)
+    return _parse_record(data, url)
+
+
+def payload_record(payload: dict[str, Any], url: str = "") -> dict[str, Any] | None:
+    """The record a loaded payload carries (as ``read_record`` reads it), or None."""
+    tensor = payload.get("record")
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        return None
+    return _parse_record(tensor.numpy().tobytes(), url)
+
+
+def matches_record(state: Any, record: dict[str, Any] | None) -> bool:
+    """Whether the progress a record states is the decoded state's own (a record that lies
+    about it must not win the ranking); True when either has no progress."""
+    progress = getattr(state, "progress", None)
+    stated = (record or {}).get("progress")
+    if stated is None or progress is None:
+        return True
+    return all(getattr(progress, f, None) == v for f, v in stated.items())
+
+
+def _parse_record(data: bytes, url: str) -> dict[str, Any] | None:
     if not data.startswith(_RECORD_MAGIC):
         return None
     try:

@@ -101,4 +101,5 @@ class Options:
             "seed": self.seed,
             "rank": self.rank,
             "world_size": self.world_size,
+            "scope_sample_rng": self.scope_sample_rng,
         }
