@@ -319,6 +319,7 @@ def test_describe_is_small_and_plain():
         "seed": 7,
         "rank": 0,
         "world_size": 1,
+        "scope_sample_rng": True,
         "num_samples": 10,
     }
 
