@@ -21,14 +21,22 @@ timeout; NCCL's watchdog aborts the process after the timeout). Forming the grou
 bounded by ``timeout`` too (``hardware.group``: the store connection, every rank checking
 in, the backend's rendezvous); the error names the ranks that did not come.
 
-**Lifetime.** ``close()`` (or ``with``) destroys a group this value created; one the user or
-``hardware.launch`` created is left alone. ``release()`` destroys it but keeps the store, and
-the next collective (or ``open()``) forms it again. ``run_scope()`` is what the Trainer wraps
-each run (``fit``, ``validate``, ``test``, ``predict``) in: it forms the group again if it was
-released and, for a strategy built from ``Trainer(strategy="ddp")``, releases the group at
-the end of the run, success or failure, so that no group is alive when the process exits
-(an undestroyed group can abort the interpreter at exit). Groups a ``ddp()`` value created
-and still holds are destroyed at exit in any case.
+**Lifetime.** A group ``ddp()`` formed is purestep's: every ``ddp()`` value made while it is
+alive, or while it is released (same torchrun variables and backend), holds it with the one
+that formed it (``SharedGroup``), and any holder forms it again after a release. One the user
+or ``hardware.launch`` formed is adopted as it is and never destroyed. ``release()``
+destroys purestep's group but keeps the store, and the next collective (or ``open()``) of
+any holder forms it again. ``run_scope()`` is what the Trainer wraps each run (``fit``,
+``validate``, ``test``, ``predict``) in: it forms the group again if it was released and,
+for a strategy built from ``Trainer(strategy="ddp")``, releases it at the end of the run,
+success or failure, unless a holder built with ``hardware.ddp()`` still holds it; so no
+group is alive when the process exits (an undestroyed group can abort the interpreter at
+exit), and two such Trainers work in any order. Between runs under ``strategy="ddp"`` there
+is then no process group: user code calling ``torch.distributed`` between ``fit`` and
+``test`` forms its own (and destroys it before the next run, which otherwise fails saying
+so), or passes ``strategy=hardware.ddp()``, whose group lives until ``close()``.
+``close()`` (or ``with``) lets go of the group: it is destroyed unless a holder built with
+``hardware.ddp()`` remains. Purestep's group is destroyed at exit in any case.
 
 **State.** ``prepare_state`` (run by ``engine.init``) checks that every rank has the same
 parameter and buffer names, shapes and dtypes, then broadcasts rank 0's values, so ranks
@@ -78,11 +86,11 @@ from purestep.engine.strategy import Precision, Strategy
 from purestep.engine.tree import PyTree, flatten_with_paths
 
 from .collectives import all_reduce_tree, broadcast_tree, check_op, diagnosed
-from .group import form_group
+from .group import Formation
 from .precision import precision as make_precision
 from .process_env import ProcessEnv
 
-__all__ = ["BUFFER_MODES", "DEFAULT_TIMEOUT", "DDP", "DDPTrainStep", "ddp"]
+__all__ = ["BUFFER_MODES", "DEFAULT_TIMEOUT", "DDP", "DDPTrainStep", "SharedGroup", "ddp"]
 
 #: How buffers are kept in step across ranks after each train-step call.
 BUFFER_MODES = ("broadcast", "mean", "local")
@@ -105,13 +113,14 @@ class DDP(Strategy):
         timeout: float,
         sync_batchnorm: bool,
         buffers: str,
-        owns_group: bool,
-        env: ProcessEnv | None = None,
-        store: Any = None,
+        owns_group: bool = False,
+        shared: SharedGroup | None = None,
         per_run: bool = False,
     ) -> None:
         if buffers not in BUFFER_MODES:
             raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
+        if owns_group and shared is None:
+            raise ValueError("owns_group=True needs the group's SharedGroup (use hardware.ddp())")
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -121,15 +130,19 @@ class DDP(Strategy):
         self.timeout = timeout
         self.sync_batchnorm = sync_batchnorm
         self.buffers = buffers
-        self._owns_group = owns_group
-        self._env = env  # with the store: how to form the group again after release()
-        self._store = store
-        self._released = False
-        self._runs = 0  # nesting depth of run_scope()
+        # The group purestep formed, shared with every other DDP value that formed or
+        # adopted it; None for a group the user or hardware.launch formed (never destroyed).
+        self._shared = shared
         #: Whether each Trainer run releases the group at its end (Trainer(strategy="ddp")).
         self.per_run = per_run
-        if owns_group:
+        if shared is not None:
+            shared.holders.add(self)
             _OWNED.add(self)
+
+    @property
+    def _owns_group(self) -> bool:
+        """Whether the group is purestep's (formed by a ``ddp()`` value, this one or another)."""
+        return self._shared is not None
 
     def __repr__(self) -> str:
         return (
@@ -289,51 +302,51 @@ class DDP(Strategy):
     # ------------------------------------------------------------------ lifetime
 
     def open(self) -> None:
-        """Form the process group again if this value created it and ``release()`` destroyed
-        it (every rank must call it, as for a collective); otherwise nothing happens."""
-        if not self._released:
-            return
-        if dist.is_initialized():
-            raise RuntimeError(
-                "cannot form this DDP strategy's process group again: another default group "
-                "was initialised meanwhile"
-            )
-        assert self._env is not None
-        self._store = form_group(self.backend, self._env, self.timeout, store=self._store)
-        self._released = False
+        """Form the process group again if it is purestep's and was released (every rank
+        must call it, as for a collective); otherwise nothing happens."""
+        if self._shared is not None:
+            self._shared.formation.form()
 
     def release(self) -> None:
-        """Destroy the process group if this value created it, keeping what is needed to
-        form it again (``open()``, or the next collective); idempotent."""
-        if self._owns_group and not self._released and dist.is_initialized():
-            dist.destroy_process_group()
-            self._released = self._env is not None
-            if not self._released:
-                self._owns_group = False
+        """Destroy the process group if it is purestep's, keeping what is needed to form it
+        again (``open()``, or the next collective of any DDP value holding it); idempotent."""
+        if self._shared is not None:
+            self._shared.formation.destroy()
 
     @contextlib.contextmanager
     def run_scope(self) -> Iterator[None]:
         """One Trainer run: the group formed again if released; at the end (also on failure)
-        released again when ``per_run`` (the strategy came from ``Trainer(strategy="ddp")``)."""
-        self.open()
-        self._runs += 1
+        released again when ``per_run`` (the strategy came from ``Trainer(strategy="ddp")``),
+        unless another run is still going or a value that is not per-run holds it."""
+        shared = self._shared
+        if shared is None:
+            yield
+            return
+        shared.formation.form()
+        shared.runs += 1
         try:
             yield
         finally:
-            self._runs -= 1
-            if self._runs == 0 and self.per_run:
-                self.release()
+            shared.runs -= 1
+            if self.per_run and shared.runs == 0 and not shared.pinned():
+                shared.formation.destroy()
 
     def close(self) -> None:
-        """Destroy the process group if this value created it (idempotent; final)."""
-        self.release()
-        self._owns_group = False
-        self._released = False
-        self._store = None
+        """Let go of the process group (idempotent; final): it is destroyed if it is
+        purestep's and no other value that is not per-run still holds it."""
+        shared, self._shared = self._shared, None
         _OWNED.discard(self)
+        if shared is None:
+            return
+        shared.holders.discard(self)
+        if not shared.holders:
+            shared.formation.destroy(final=True)
+            _forget(shared)
+        elif not shared.pinned() and shared.runs == 0:
+            shared.formation.destroy()
 
     def _ready(self) -> None:
-        if self._released:
+        if self._shared is not None and not self._shared.formation.alive:
             self.open()
 
     def __enter__(self) -> DDP:
@@ -375,8 +388,34 @@ class DDPTrainStep(TrainStep):
 #: Seconds a collective may wait when ``ddp()`` creates the group and no timeout is given.
 DEFAULT_TIMEOUT = 60.0
 
-# The values that created a group and may still hold it; destroyed at exit.
+
+class SharedGroup:
+    """The process group purestep's ``ddp()`` formed in this process, and the DDP values
+    holding it: the one that formed it and those that adopted it while it was alive (or
+    found it released). Any of them forms it again after a release; it is destroyed at the
+    end of a per-run value's run only when no run is going and every holder is per-run."""
+
+    def __init__(self, formation: Formation) -> None:
+        self.formation = formation
+        self.holders: weakref.WeakSet[DDP] = weakref.WeakSet()
+        self.runs = 0  # Trainer runs going on over all holders (nesting counts)
+
+    def pinned(self) -> bool:
+        """Whether a holder that is not per-run (``hardware.ddp()``) keeps the group alive."""
+        return any(not value.per_run for value in list(self.holders))
+
+
+# The group purestep formed in this process (at most one default group exists at a time).
+_SHARED: SharedGroup | None = None
+
+# The values holding a purestep group; closed at exit.
 _OWNED: weakref.WeakSet[DDP] = weakref.WeakSet()
+
+
+def _forget(shared: SharedGroup) -> None:
+    global _SHARED
+    if _SHARED is shared:
+        _SHARED = None
 
 
 @atexit.register
@@ -384,6 +423,9 @@ def _close_owned() -> None:
     for value in list(_OWNED):
         with contextlib.suppress(Exception):
             value.close()
+    if _SHARED is not None:  # its holders may all have been garbage-collected
+        with contextlib.suppress(Exception):
+            _SHARED.formation.destroy(final=True)
 
 
 def _group_timeout() -> float:
@@ -454,7 +496,8 @@ def ddp(
         raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
-    owns, env, store = False, None, None
+    global _SHARED
+    shared = None
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
@@ -474,6 +517,10 @@ def ddp(
             seconds = _group_timeout()
         else:
             dist.group.WORLD.set_timeout(datetime.timedelta(seconds=seconds))
+        if _SHARED is not None and _SHARED.formation.alive:
+            shared = _SHARED  # purestep's group: held with the values that hold it
+            if timeout is not None:
+                shared.formation.timeout = seconds
     else:
         seconds = DEFAULT_TIMEOUT if seconds is None else seconds
         env = ProcessEnv.from_environ()
@@ -484,15 +531,24 @@ def ddp(
             raise ValueError("backend 'nccl' reduces CUDA tensors only; on CPU use 'gloo'")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        if (
+            _SHARED is not None
+            and _SHARED.formation.env == env
+            and _SHARED.formation.backend == backend
+        ):
+            shared = _SHARED  # released by a run: formed again over its store, and held
+            shared.formation.timeout = seconds
+        else:
+            shared = SharedGroup(Formation(backend, env, seconds))
         try:
-            store = form_group(backend, env, seconds)
+            shared.formation.form()
         except (RuntimeError, ValueError) as err:
             raise RuntimeError(
                 f"rank {rank}: could not form the process group of {world} ranks at "
                 f"{env.master_addr}:{env.master_port} with backend {backend!r} within "
                 f"{seconds:g} s: {err}"
             ) from err
-        owns = True
+        _SHARED = shared
     policy = (
         precision
         if isinstance(precision, Precision)
@@ -508,9 +564,8 @@ def ddp(
         timeout=seconds,
         sync_batchnorm=bool(sync_batchnorm),
         buffers=buffers,
-        owns_group=owns,
-        env=env if owns else None,
-        store=store,
+        owns_group=shared is not None,
+        shared=shared,
         per_run=per_run,
     )
 

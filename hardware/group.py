@@ -10,7 +10,9 @@ is then set to the full ``timeout``.
 
 The store outlives the group: ``form_group(..., store=store)`` forms the group again over
 the same store (each formation in a process uses its own keys), so a strategy can destroy
-its group between runs and form it again for the next one.
+its group between runs and form it again for the next one. ``Formation`` is such a group:
+formed, destroyed and formed again over one store, and able to tell whether the live default
+group is the one it formed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from .process_env import ProcessEnv
 
-__all__ = ["form_group"]
+__all__ = ["Formation", "form_group"]
 
 _PROBE = 0.05  # seconds between attempts to reach the store's port
 
@@ -123,3 +125,43 @@ def form_group(
     store.set_timeout(_delta(timeout))
     dist.group.WORLD.set_timeout(_delta(timeout))
     return store
+
+
+class Formation:
+    """A default group ``form_group`` formed with ``backend``, ``env`` and ``timeout``, which
+    ``destroy()`` ends and ``form()`` forms again over the same store."""
+
+    def __init__(self, backend: str, env: ProcessEnv, timeout: float) -> None:
+        self.backend = backend
+        self.env = env
+        self.timeout = timeout
+        self.store: dist.Store | None = None
+        self._world: object | None = None  # the default group this formed, while alive
+
+    @property
+    def alive(self) -> bool:
+        """Whether the live default group is the one this formed."""
+        return self._world is not None and dist.is_initialized() and dist.group.WORLD is self._world
+
+    def form(self) -> None:
+        """Form the group (every rank must call it, as for a collective) unless it is alive;
+        ``RuntimeError`` if another default group is alive."""
+        if self.alive:
+            return
+        if dist.is_initialized():
+            raise RuntimeError(
+                "another default process group was initialised meanwhile (destroy it with "
+                "torch.distributed.destroy_process_group() before the next run, or pass "
+                "strategy=hardware.ddp(), whose group lives until close())"
+            )
+        self._world = None
+        self.store = form_group(self.backend, self.env, self.timeout, store=self.store)
+        self._world = dist.group.WORLD
+
+    def destroy(self, *, final: bool = False) -> None:
+        """Destroy the group if it is alive; ``final``: drop the store too."""
+        if self.alive:
+            dist.destroy_process_group()
+        self._world = None
+        if final:
+            self.store = None

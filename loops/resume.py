@@ -95,6 +95,7 @@ class Checkpointing:
         # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.
         self._resolved: tuple[str, Any, dict[str, Any]] | None = None
         self._cleaned: set[str] = set()
+        self._save_folders: list[str] = []  # this fit's checkpoint folders (check_writable)
 
     # ------------------------------------------------------------------ writing
 
@@ -141,17 +142,28 @@ class Checkpointing:
             self.saver.close()
             self.saver = None
 
-    @staticmethod
-    def remove(path: str) -> None:
-        """Delete an evicted checkpoint. On local disks only a regular file, or a symlink
-        that stays in its folder (``save_last="link"``), is deleted; anything else is left
-        alone with a warning (a checkpoint folder may hold what this run did not write)."""
+    def remove(self, path: str) -> None:
+        """Delete an evicted checkpoint. On local disks only a regular file inside its
+        checkpoint folder (its own folder's real path in the checkpoint folder's: a template
+        with folders, ``"{epoch}/{step}"``, writes to subfolders, and one may be a symlink
+        out), or a symlink there to such a file (``save_last="link"``), is deleted; anything
+        else is left alone with a warning (a checkpoint folder may hold what this run did
+        not write)."""
         if ck.storage.is_local_url(path):
-            reason = _not_ours(ck.storage.filesystem(path)[1])
+            local = ck.storage.filesystem(path)[1]
+            reason = _not_ours(local, ck.storage.filesystem(self._folder_of(path))[1])
             if reason:
                 warnings.warn(f"not deleting {path}: {reason}", stacklevel=2)
                 return
         ck.remove(path)
+
+    def _folder_of(self, path: str) -> str:
+        """The checkpoint folder ``path`` is in: the deepest of this fit's checkpoint
+        folders (``check_writable`` records them) it is under, else its own folder."""
+        under = [f for f in self._save_folders if path.startswith(f.rstrip("/") + "/")]
+        if under:
+            return max(under, key=len)
+        return path.rsplit("/", 1)[0] if "/" in path else "."
 
     def remove_partial(self, folders: Sequence[str], say: Any = None) -> list[str]:
         """Delete the temporary files killed writers left in ``folders`` (primary process
@@ -171,24 +183,31 @@ class Checkpointing:
         return removed
 
     def check_writable(self, callbacks: Sequence[Any], state: TrainState, log_dir: Any) -> None:
-        """Fail before a fit's first step, naming the folder, if a checkpoint callback's
-        folder cannot be written (the primary process probes; every process raises)."""
-        error = None
+        """Fail before a fit's first step, naming the folder, if no file can be created in
+        a checkpoint callback's folder (the primary process probes; every process raises;
+        a probe that cannot be deleted is only a warning). Remembers the folders: ``remove``
+        deletes only inside them."""
+        error, cause = None, None
+        self._save_folders = self.save_folders(callbacks, state, log_dir)
         if self.strategy.is_primary:
-            for folder in self.save_folders(callbacks, state, log_dir):
+            for folder in self._save_folders:
                 try:
                     ck.storage.check_writable(folder)
-                except OSError as err:
-                    error = (err.errno, err.strerror or str(err))
+                except Exception as err:  # an OSError naming the folder, or a backend's own
+                    reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
+                    if f" {folder}" not in reason:
+                        reason = f"cannot write checkpoints to {folder}: {reason}"
+                    error = (err.errno if isinstance(err, OSError) else None, reason)
+                    cause = err
                     break
         if self.strategy.world_size > 1:
             error = self.strategy.broadcast_object(error, 0)
         if error is not None:
-            raise OSError(
-                error[0],
+            message = (
                 f"{error[1]}; fit checks its checkpoint folders before training (pass a "
-                "writable ModelCheckpoint(dirpath=...) or default_root_dir)",
+                "writable ModelCheckpoint(dirpath=...) or default_root_dir)"
             )
+            raise (OSError(error[0], message) if error[0] else OSError(message)) from cause
 
     @staticmethod
     def save_folders(callbacks: Sequence[Any], state: TrainState, log_dir: Any) -> list[str]:
@@ -200,9 +219,17 @@ class Checkpointing:
 
     @staticmethod
     def link(target: str, link: str) -> None:
-        """``link`` points at ``target``: a relative symlink on local disks, a copy elsewhere."""
+        """``link`` points at ``target``: a relative symlink on local disks, a copy elsewhere.
+        A directory (or anything but a file or symlink) at ``link`` is left alone with a
+        warning, and no link is made."""
         fs, link_path = ck.storage.filesystem(link)
         if ck.storage.is_local_url(link):
+            if os.path.lexists(link_path) and not (
+                os.path.islink(link_path) or os.path.isfile(link_path)
+            ):
+                kind = "a directory" if os.path.isdir(link_path) else "not a regular file"
+                warnings.warn(f"not linking {link} to {target}: it is {kind}", stacklevel=2)
+                return
             with contextlib.suppress(FileNotFoundError):
                 os.remove(link_path)
             try:
@@ -210,6 +237,9 @@ class Checkpointing:
                 return
             except OSError:
                 pass
+        elif fs.isdir(link_path):
+            warnings.warn(f"not copying {target} to {link}: it is a directory", stacklevel=2)
+            return
         fs.copy(ck.storage.filesystem(target)[1], link_path)
 
     # ------------------------------------------------------------------ finding
@@ -251,11 +281,12 @@ class Checkpointing:
         if ckpt_path == "best":
             if fn == "fit":
                 raise ValueError('ckpt_path="best" is for validate/test/predict, not fit')
+            log_dir = self._log_dir()  # every rank, before any rank may return
             for cb in callbacks:
                 if isinstance(cb, ModelCheckpoint) and state is not None:
                     best = state.callbacks.get(cb.key, {}).get("best_model_path")
                     if best:
-                        return cb.full_path(best, self._log_dir())
+                        return cb.full_path(best, log_dir)
             raise ValueError(
                 'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this '
                 "Trainer's fit; pass a path instead"
@@ -378,9 +409,14 @@ class Checkpointing:
         self._signal = signum
 
     def _log_dir(self) -> str:
-        """The run folder the driver names files after (the first logger's, else the root)."""
+        """The run folder the driver names files after (``trainer_run.shared_log_dir``):
+        rank 0's first logger's, else the root, on every process (a collective under DDP:
+        another rank's own logger may have picked another version folder)."""
         log_dir = self.loggers[0].log_dir if self.loggers else None
-        return log_dir if log_dir is not None else self.root_dir
+        own = log_dir if log_dir is not None else self.root_dir
+        if self.strategy.world_size == 1:
+            return own
+        return self.strategy.broadcast_object(own if self.strategy.is_primary else None, 0)
 
 
 def ckpt_keywords(fn: str) -> tuple[str, ...]:
@@ -417,18 +453,30 @@ def _resumable(state: Any, metadata: dict[str, Any]) -> bool:
     return True
 
 
-def _not_ours(path: str) -> str | None:
+def _not_ours(path: str, folder: str | None = None) -> str | None:
     """Why the local file ``path`` is not one to delete (None: a regular file, a missing
-    one, or a symlink to a regular file in its own folder)."""
+    one, or a symlink to a regular file, in the checkpoint folder ``folder``, its own
+    folder by default). "In" is by real path: a subfolder that is a symlink out is not."""
+    root = os.path.realpath(folder or os.path.dirname(path) or ".")
+    parent = os.path.realpath(os.path.dirname(path) or ".")
+    if not _inside(parent, root):
+        return f"its folder is {parent}, outside the checkpoint folder {root}"
     if os.path.islink(path):
         target = os.path.realpath(path)
-        folder = os.path.realpath(os.path.dirname(path) or ".")
-        if os.path.dirname(target) != folder:
-            return f"it is a symbolic link to {target}, outside {folder}"
+        if not _inside(os.path.dirname(target), root):
+            return f"it is a symbolic link to {target}, outside {root}"
         return None if os.path.isfile(target) else "it links to no regular file"
     if os.path.lexists(path) and not os.path.isfile(path):
         return "it is not a regular file"
     return None
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether the real path ``path`` is ``root`` or under it."""
+    try:
+        return os.path.commonpath([path, root]) == root
+    except ValueError:  # different drives
+        return False
 
 
 def _with_protocol(root: str, path: str) -> str:

@@ -45,7 +45,7 @@ from .resume import Checkpointing
 from .task import DataModule, Task
 from .trainer_args import add_argparse_args, defaults_from_env, from_argparse_args
 from .trainer_data import TRAIN_MODES
-from .trainer_run import TrainerStatus, entry_point
+from .trainer_run import TrainerStatus, entry_point, local_log_dir
 
 __all__ = ["Trainer", "TrainerStatus"]
 
@@ -272,10 +272,12 @@ class Trainer:
 
     @property
     def log_dir(self) -> str:
-        """The first logger's run folder, else ``default_root_dir``."""
-        if self.loggers and self.loggers[0].log_dir is not None:
-            return self.loggers[0].log_dir
-        return self.default_root_dir
+        """The run folder: after a run, the one that run named its files after (rank 0's,
+        on every process, as checkpoint paths are); before any run, this process's first
+        logger's run folder, else ``default_root_dir``."""
+        if self._driver is not None and self._driver.log_dir is not None:
+            return self._driver.log_dir
+        return local_log_dir(self)
 
     @property
     def is_global_zero(self) -> bool:
@@ -295,7 +297,8 @@ class Trainer:
 
     @property
     def best_model_path(self) -> str:
-        """The checkpoint callback's best path after fit ("" before any save)."""
+        """The checkpoint callback's best path after fit ("" before any save), in the run
+        folder of ``log_dir`` (the same on every process)."""
         cb, state = self.checkpoint_callback, self._latest
         if cb is None or state is None:
             return ""

@@ -27,6 +27,7 @@ __all__ = [
     "TrainerStatus",
     "driver_for",
     "entry_point",
+    "local_log_dir",
     "printer",
     "run_context",
     "strategy_scope",
@@ -104,12 +105,22 @@ def run_callbacks(
     return cbs
 
 
+def local_log_dir(trainer: Trainer) -> str:
+    """This process's own run folder: its first logger's, else ``default_root_dir`` (under
+    DDP only rank 0's is where files go; see ``shared_log_dir``)."""
+    if trainer.loggers and trainer.loggers[0].log_dir is not None:
+        return trainer.loggers[0].log_dir
+    return trainer.default_root_dir
+
+
 def shared_log_dir(trainer: Trainer) -> str:
-    """The run folder rank 0 chose (every process names files after it)."""
+    """The run folder rank 0 chose (every process names files after it; a collective under
+    DDP). The driver keeps it (``Driver.log_dir``): ``Trainer.log_dir`` and every checkpoint
+    path built from the callbacks' bookkeeping take it from there."""
     strategy = trainer.strategy
     if strategy.world_size == 1:
-        return trainer.log_dir
-    chosen = trainer.log_dir if strategy.is_primary else None
+        return local_log_dir(trainer)
+    chosen = local_log_dir(trainer) if strategy.is_primary else None
     return strategy.broadcast_object(chosen, 0)
 
 

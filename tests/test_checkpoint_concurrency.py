@@ -176,6 +176,77 @@ def test_only_a_gone_writers_temporary_file_is_removed(tmp_path):
     assert own.exists()
 
 
+def _aged(path) -> None:
+    old = time.time() - 2 * storage.STALE_AFTER_S
+    os.utime(path, (old, old))
+
+
+@needs_proc
+def test_a_writer_with_a_lookalike_host_is_not_judged_by_a_local_pid(tmp_path, monkeypatch):
+    """Hosts whose long names share 40 characters, a container of the same name on another
+    node (another boot id), and names in the earlier identity format: a dead local pid of
+    the same number says nothing about them, so only the age rule removes their files."""
+    here = "n" * 40 + ".rack-1.cluster.example.com"
+    monkeypatch.setattr(storage.socket, "gethostname", lambda: here)
+    monkeypatch.setattr(storage, "_IDENTITIES", {})
+    pid = _dead_pid()
+    start = "1a2b3c"
+    tokens = {
+        "prefix": storage._host_token(host="n" * 40 + ".rack-2.cluster.example.com"),
+        "boot": storage._host_token(boot="0" * 8 + "-0000-4000-8000-" + "0" * 12),
+        "ns": storage._host_token(ns="effffffb"),
+    }
+    assert storage._host_token() not in tokens.values()
+    ns = f"{os.stat('/proc/self/ns/pid').st_ino:x}"
+    boot8 = storage._boot_id().replace("-", "")[:8]
+    files = [tmp_path / f".{k}.ckpt.tmp-{t}-{pid}-{start}-0123456789ab" for k, t in tokens.items()]
+    # the earlier formats: host name (cut to 40) and namespace; and no identity at all
+    files.append(tmp_path / f".old.ckpt.tmp-{here[:40]}.{ns}-{pid}-{boot8}{start}-0123456789ab")
+    files.append(tmp_path / ".older.ckpt.tmp-0123456789ab")
+    for f in files:
+        f.write_bytes(b"half a checkpoint")
+        assert storage.writer_alive(f.name) is None, f.name
+    ours = _temp(tmp_path, "ours.ckpt", pid)  # this machine's token: the pid tells
+    assert storage.writer_alive(ours.name) is False
+    assert ck.remove_partial(str(tmp_path)) == [str(ours)]
+    assert all(f.exists() for f in files)
+    for f in files:
+        _aged(f)
+    assert sorted(ck.remove_partial(str(tmp_path))) == sorted(map(str, files))
+
+
+def test_without_a_boot_id_no_local_pid_judges_a_writer(tmp_path, monkeypatch):
+    """A host token without a boot id is not this machine's alone (same host names)."""
+    monkeypatch.setattr(storage, "_boot_id", lambda: "")
+    monkeypatch.setattr(storage, "_IDENTITIES", {})
+    token = storage._host_token()
+    gone = tmp_path / f".a.ckpt.tmp-{token}-{_dead_pid()}-0-0123456789ab"
+    gone.write_bytes(b"x")
+    own = tmp_path / f".b.ckpt.tmp-{storage.writer_identity()}-0123456789ab"
+    own.write_bytes(b"x")
+    assert storage.writer_alive(gone.name) is None and storage.writer_alive(own.name) is True
+    assert ck.remove_partial(str(tmp_path)) == []
+    _aged(gone)
+    assert ck.remove_partial(str(tmp_path)) == [str(gone)]
+
+
+def test_the_writer_identity_is_short_and_a_long_checkpoint_name_saves(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage.socket, "gethostname", lambda: "h" * 63 + ".example.com")
+    monkeypatch.setattr(storage, "_IDENTITIES", {})
+    name = "n" * 196 + ".ckpt"  # 201 characters
+    ck.save({"w": torch.arange(3.0)}, str(tmp_path / name))
+    assert torch.equal(ck.load(str(tmp_path / name))[0]["w"], torch.arange(3.0))
+    assert os.listdir(tmp_path) == [name]
+    identity = storage.writer_identity()
+    assert re.fullmatch(r"[0-9a-f]{12}-\d+-[0-9a-f]+", identity), identity
+    assert len(identity) <= 12 + 1 + 20 + 1 + 16
+    longest = "m" * 250 + ".ckpt"  # the most a file name may have: its temporary one is cut
+    ck.save({"w": torch.ones(2)}, str(tmp_path / longest))
+    assert sorted(os.listdir(tmp_path)) == sorted([name, longest])
+    tmp = storage._temp_name("é" * 200)  # cut at a character, within 255 bytes
+    assert len(tmp.encode()) <= 255 and storage.writer_alive(tmp) is True
+
+
 @needs_proc
 def test_readers_never_delete_and_fit_cleans_only_dead_writers(tmp_path):
     folder = tmp_path / "ckpts"
@@ -358,6 +429,51 @@ def test_the_write_probe_leaves_nothing_behind(tmp_path):
     (tmp_path / "c").mkdir()
     storage.check_writable(str(tmp_path / "c"))
     assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_a_probe_that_cannot_be_deleted_is_only_a_warning(tmp_path, monkeypatch):
+    """Object stores with retention deny deletes; save_top_k=-1 never deletes."""
+    import fsspec.implementations.local as local
+
+    def denied(self, path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "delete denied by the retention policy")
+
+    monkeypatch.setattr(local.LocalFileSystem, "rm", denied)
+    folder = tmp_path / "ckpts"
+    with pytest.warns(UserWarning, match=re.escape(f"write probe {folder}/.write-probe")):
+        storage.check_writable(str(folder))
+    left = os.listdir(folder)
+    assert len(left) == 1 and left[0].startswith(".write-probe.tmp-")
+    os.remove(folder / left[0])
+    with pytest.warns(UserWarning, match="could not be deleted"):
+        trained = _fit(_trainer(folder))
+    assert trained.progress.step == 4
+    assert sorted(n for n in os.listdir(folder) if not n.startswith(".")) == ["epoch=0-step=4.ckpt"]
+
+
+def test_any_error_of_the_probe_names_the_folder(tmp_path, monkeypatch):
+    """Some fsspec backends raise their own exceptions (not OSError)."""
+    import fsspec.implementations.local as local
+
+    class BackendError(Exception):
+        pass
+
+    def failing(self, path, *args, **kwargs):
+        raise BackendError("AccessDenied: the bucket policy forbids PutObject")
+
+    monkeypatch.setattr(local.LocalFileSystem, "open", failing)
+    folder = tmp_path / "ckpts"
+    where = re.escape(f"cannot write checkpoints to {folder}: AccessDenied")
+    with pytest.raises(OSError, match=where) as err:
+        storage.check_writable(str(folder))
+    assert isinstance(err.value.__cause__, BackendError)
+    calls = []
+    with pytest.raises(OSError, match=where) as err:
+        _fit(_trainer(folder), loss=_counting_loss(calls))
+    assert "fit checks its checkpoint folders" in str(err.value) and calls == []
+    assert isinstance(err.value.__cause__.__cause__, BackendError)
+    with pytest.raises(OSError, match="cannot write checkpoints to nosuchproto://x: "):
+        storage.check_writable("nosuchproto://x")  # no such backend
 
 
 # ---------------------------------------------------------------- full disks

@@ -3,7 +3,8 @@
 One launch runs a Trainer.fit on each rank and reports what it saw. Checked: both ranks end
 with the same state; the run equals a single-process run whose batch is the two ranks'
 batches together (to 1e-6); a stop requested on one rank only stops both at the same step;
-only rank 0 writes logs; epoch-level validation values cover both shards.
+only rank 0 writes logs; epoch-level validation values cover both shards; ``ckpt_path="best"``
+and ``best_model_path`` name rank 0's run folder on every rank.
 """
 
 from __future__ import annotations
@@ -162,3 +163,41 @@ def test_a_killed_ddp_run_resumes_bitwise(tmp_path):
     assert (broken / "ckpts" / "last.ckpt").exists()
     resumed = hardware.launch(_resumable_fit, 2, str(broken), None, True, max_seconds=120)[0]
     assert resumed == reference
+
+
+# --------------------------------------------------------------------------- best checkpoint
+
+
+def _fit_then_test_best(rank: int, root: str) -> dict:
+    """``Trainer(strategy="ddp")``'s fit, then test(ckpt_path="best"). Each rank's logger
+    names its own version folder (as a default logger may: rank 1 picks its version after
+    rank 0 made version_0); files go to rank 0's."""
+    from purestep.loops.loggers import CSVLogger
+
+    trainer = Trainer(
+        strategy="ddp",
+        max_epochs=1,
+        default_root_dir=root,
+        logger=CSVLogger(root, version=rank),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    train = DataLoader(_data(32, 0), batch_size=B)
+    trainer.fit(mlp(seed=0), _loss, optim.sgd(0.1), train, seed=0)
+    best = trainer.best_model_path
+    test = DataLoader(_data(16, 1), batch_size=B)
+    results = trainer.test(dataloaders=test, ckpt_path="best", fn=_loss)
+    return {"best": best, "log_dir": trainer.log_dir, "test_loss": results[0]["test_loss"]}
+
+
+def test_best_checkpoint_is_rank_zeros_on_every_rank(tmp_path):
+    first, second = hardware.launch(_fit_then_test_best, 2, str(tmp_path), max_seconds=120)
+    run = str(tmp_path / "lightning_logs" / "version_0")
+    assert first["log_dir"] == second["log_dir"] == run
+    assert first["best"] == second["best"] == run + "/checkpoints/epoch=0-step=4.ckpt"
+    assert (
+        tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt"
+    ).exists()
+    assert not (tmp_path / "lightning_logs" / "version_1").exists()  # rank 1 writes nothing
+    assert first["test_loss"] == second["test_loss"]

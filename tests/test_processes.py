@@ -235,7 +235,8 @@ def _trainer_job(report: str, fail_rank: str) -> None:
         seen["after_fit"] = dist.is_initialized()
         seen["test"] = trainer.test(dataloaders=test)
         seen["after_test"] = dist.is_initialized()
-        # a second Trainer forms a group of its own (new store keys) and destroys it too
+        # a second Trainer, built between runs, forms the group again (new store keys)
+        # and destroys it too
         seen["again"] = Trainer(**flags).test(mlp(seed=0), test, fn=loss)
         seen["after_again"] = dist.is_initialized()
         # between runs a collective forms the released group again; close() ends it
@@ -303,6 +304,81 @@ def test_a_failing_rank_tears_down_and_both_exit_non_zero(tmp_path):
     assert second["error"] == "ValueError: the loss fails on rank 1", second
     assert "error" in first, first  # the peer's collective failed
     assert first["after_error"] is False and second["after_error"] is False
+
+
+def _two_trainers_job(report: str, order: str) -> None:
+    """One rank: two ``Trainer(strategy="ddp")`` built while the first's group is alive (the
+    second holds it too); ``order`` "ab": the first fits, then the second tests; "ba": the
+    other way round. Then a third built after the release, and a ``hardware.ddp()`` value
+    that keeps the group alive across a Trainer run until its ``close()``."""
+    from purestep import hardware
+    from purestep.engine import optim
+    from purestep.loops import Trainer
+    from tests.helpers import mlp
+
+    flags = {
+        "strategy": "ddp",
+        "max_epochs": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+    }
+
+    def loss(apply, batch):
+        x, y = batch
+        return F.cross_entropy(apply(x), y)
+
+    a = Trainer(**flags)
+    b = Trainer(**flags)
+    rank, seen = a.strategy.rank, {"b_holds": b.strategy._owns_group}
+    first, second = (a, b) if order == "ab" else (b, a)
+    train, test = DataLoader(_data(32, 0), batch_size=4), DataLoader(_data(16, 1), batch_size=4)
+    try:
+        first.fit(mlp(seed=0), loss, optim.sgd(0.1), train, seed=0)
+        seen["after_fit"] = dist.is_initialized()
+        seen["test"] = second.test(mlp(seed=0), test, fn=loss)
+        seen["after_test"] = dist.is_initialized()
+        seen["first_test"] = first.test(dataloaders=test)
+        second.fit(mlp(seed=0), loss, optim.sgd(0.1), train, seed=0)
+        seen["after_second_fit"] = dist.is_initialized()
+        third = Trainer(**flags)  # built while the group is released: forms and holds it
+        seen["third"] = third.test(mlp(seed=0), test, fn=loss)
+        seen["first_again"] = first.test(mlp(seed=0), test, fn=loss)
+        seen["after_third"] = dist.is_initialized()
+        kept = hardware.ddp()  # not per-run: the group lives until its close()
+        first.test(mlp(seed=0), test, fn=loss)
+        seen["kept"] = dist.is_initialized()
+        kept.close()
+        seen["after_close"] = dist.is_initialized()
+    except Exception as err:
+        seen["error"] = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        with open(f"{report}.{rank}", "w") as f:
+            json.dump(seen, f)
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_two_ddp_trainers_work_in_either_order(tmp_path, order):
+    report, port = str(tmp_path / "report"), _free_port()
+    args = _call("_two_trainers_job", report, order)
+    procs = [_start(args, _rank_env(r, port), str(tmp_path / f"log{r}")) for r in range(2)]
+    try:
+        codes = _wait(procs, 150)
+    finally:
+        _end(procs)
+    logs = [_read(str(tmp_path / f"log{r}")) for r in range(2)]
+    assert codes == [0, 0], logs
+    assert not any("terminate called" in log for log in logs), logs
+    for seen in _reports(report):
+        assert seen["b_holds"] is True, seen  # the second holds the first's group
+        assert seen["test"] and "test_loss" in seen["test"][0], seen
+        assert seen["first_test"] and seen["third"] and seen["first_again"], seen
+        for key in ("after_fit", "after_test", "after_second_fit", "after_third"):
+            assert seen[key] is False, (key, seen)  # destroyed at the end of every run
+        assert seen["kept"] is True and seen["after_close"] is False, seen
 
 
 # --------------------------------------------------------------------------- 15: set-up

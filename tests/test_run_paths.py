@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from purestep.engine import checkpoint, optim
+from purestep.engine import Strategy, checkpoint, optim
 from purestep.loops import Trainer
 from purestep.loops.callbacks import ModelCheckpoint
 from purestep.loops.loggers import CSVLogger, TensorBoardLogger
@@ -170,19 +170,83 @@ def test_a_symlink_out_of_the_checkpoint_folder_is_not_deleted(tmp_path):
     assert link.is_symlink() and target.read_text() == "keep me"
 
 
+def _checkpointing(root):
+    return Checkpointing(strategy=Strategy(), loggers=[], config=None, root_dir=str(root))
+
+
 def test_the_remover_deletes_regular_files_and_links_inside_the_folder_only(tmp_path):
     folder = tmp_path / "ckpts"
     regular = _sentinel(folder / "a.ckpt")
     inside = folder / "last.ckpt"
     inside.symlink_to("a.ckpt")
-    Checkpointing.remove(str(inside))
+    remover = _checkpointing(tmp_path)
+    remover.remove(str(inside))
     assert not inside.exists() and regular.exists()
-    Checkpointing.remove(str(regular))
+    remover.remove(str(regular))
     assert not regular.exists()
     (folder / "d.ckpt").mkdir()
     with pytest.warns(UserWarning, match="not a regular file"):
-        Checkpointing.remove(str(folder / "d.ckpt"))
+        remover.remove(str(folder / "d.ckpt"))
     assert (folder / "d.ckpt").is_dir()
+
+
+def _subfolders(**kwargs):
+    return ModelCheckpoint(filename="{epoch}/{step}", save_top_k=1, **kwargs)
+
+
+def test_an_evicted_file_in_a_subfolder_that_links_out_is_not_deleted(tmp_path):
+    root = tmp_path / "run"
+    _fit(root, _subfolders(save_last=True), max_epochs=1)
+    folder = _folder(root)
+    assert (folder / "epoch=0" / "step=2.ckpt").is_file()
+    outside = tmp_path / "outside"
+    shutil.move(str(folder / "epoch=0"), str(outside))  # the subfolder now links out
+    (folder / "epoch=0").symlink_to(outside, target_is_directory=True)
+    with pytest.warns(UserWarning, match=r"step=2\.ckpt: its folder is .*outside, outside"):
+        _fit(root, _subfolders(save_last=True), max_epochs=2, ckpt_path=str(folder / "last.ckpt"))
+    assert (outside / "step=2.ckpt").is_file()  # evicted, but not this folder's to delete
+    assert (folder / "epoch=1" / "step=4.ckpt").is_file()
+    remover = _checkpointing(tmp_path)
+    remover._save_folders = [str(folder)]
+    with pytest.warns(UserWarning, match="outside the checkpoint folder"):
+        remover.remove(str(folder / "epoch=0" / "step=2.ckpt"))
+    assert (outside / "step=2.ckpt").is_file()
+    remover.remove(str(folder / "epoch=1" / "step=4.ckpt"))  # a real subfolder: deleted
+    assert not (folder / "epoch=1" / "step=4.ckpt").exists()
+
+
+def test_the_last_link_into_a_subfolder_is_the_librarys_own(tmp_path, recwarn):
+    root = tmp_path / "run"
+    _fit(root, _subfolders(save_last="link"), max_epochs=2)
+    folder = _folder(root)
+    last = folder / "last.ckpt"
+    assert os.readlink(last) == os.path.join("epoch=1", "step=4.ckpt")
+    assert not (folder / "epoch=0" / "step=2.ckpt").exists()  # evicted
+    _fit(root, _subfolders(save_last="link"), max_epochs=3, ckpt_path="last")
+    assert os.readlink(last) == os.path.join("epoch=2", "step=6.ckpt")
+    assert checkpoint.load(str(last))[0].progress.epoch == 3
+    assert not [w for w in recwarn if "not deleting" in str(w.message)]
+    remover = _checkpointing(tmp_path)
+    remover._save_folders = [str(folder)]
+    remover.remove(str(last))  # a link to a file inside the folder: deleted, without a warning
+    assert not [w for w in recwarn if "not deleting" in str(w.message)]
+    assert not os.path.lexists(last) and (folder / "epoch=2" / "step=6.ckpt").is_file()
+
+
+def test_a_directory_at_last_ckpt_is_not_replaced_by_the_link(tmp_path):
+    folder = tmp_path / "ckpts"
+    _fit(tmp_path / "run", ModelCheckpoint(dirpath=str(folder), save_last="link"), max_epochs=2)
+    (folder / "last.ckpt").unlink()  # the resumed state still names it as its last
+    _sentinel(folder / "last.ckpt" / "theirs.txt")
+    start = str(folder / "epoch=1-step=4.ckpt")
+    cb = ModelCheckpoint(dirpath=str(folder), save_last="link")
+    with pytest.warns(UserWarning, match=r"not linking .*last\.ckpt to .*: it is a directory"):
+        _fit(tmp_path / "run", cb, max_epochs=3, ckpt_path=start)
+    assert (folder / "last.ckpt" / "theirs.txt").read_text() == "keep me"
+    assert (folder / "epoch=2-step=6.ckpt").is_file()
+    with pytest.warns(UserWarning, match="it is a directory"):
+        Checkpointing.link(str(folder / "epoch=2-step=6.ckpt"), str(folder / "last.ckpt"))
+    assert (folder / "last.ckpt").is_dir()
 
 
 @pytest.mark.parametrize("version", ["../../x", "..", "a\\b", "x\x00", "/abs", 1.5, True])

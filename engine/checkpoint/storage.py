@@ -7,30 +7,37 @@ commit marker ``<name>.complete`` is written after it; a file without its marker
 checkpoint.
 
 Temporary files are hidden and named by their writer:
-``.<name>.tmp-<host>-<pid>-<start>-<random>``, where ``host`` is the host name and PID
-namespace, ``pid`` the writing process and ``start`` its start token (boot id and start
-time from ``/proc``, ``0`` where there is none). Discovery ignores them. ``remove_partial``
-deletes only files whose writer is gone: a writer of this host is gone when its pid no
-longer runs (or is a zombie, or now belongs to a process with another start token); for a
-writer it cannot check (another host, a name without an identity, a running pid whose start
-cannot be compared without ``/proc``) the file must also be untouched for ``STALE_AFTER_S``
-(an hour). So cleaning is safe while other processes write or read the folder; only the
-writer (``fit``) cleans, readers never delete.
+``.<name>.tmp-<host>-<pid>-<start>-<random>``, where ``host`` is 12 hex digits of a hash of
+the full host name, the boot id and the PID namespace (so it is this machine's, this boot's,
+among comparable pids: another host, a container on another node, or this host before a
+reboot has another), ``pid`` the writing process and ``start`` its start time from
+``/proc`` (``0`` where there is none); ``<name>`` is shortened where the whole would pass
+255 bytes. Discovery ignores them. ``remove_partial`` deletes only files whose writer is
+gone: a writer with this machine's host token is gone when its pid no longer runs (or is a
+zombie, or now belongs to a process with another start time); for a writer it cannot check
+(another host token, a name without an identity or in an earlier format, a host without a
+boot id, a running pid whose start cannot be compared without ``/proc``) the file must also
+be untouched for ``STALE_AFTER_S`` (an hour). So cleaning is safe while other processes
+write or read the folder; only the writer (``fit``) cleans, readers never delete.
 
 A write that fails for lack of space (the error chain has ``ENOSPC``, or the local disk is
 left with under 1 MiB free) is raised as ``OSError(ENOSPC)`` naming the file, chained to
-the original error; its temporary file is removed. ``check_writable`` probes a folder.
+the original error; its temporary file is removed. ``check_writable`` probes a folder: it
+must be able to create a file there (a probe it cannot delete again is only a warning:
+object stores may deny deletes, and ``save_top_k=-1`` never deletes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -61,7 +68,9 @@ _RENAMING = ("file", "local", "memory")
 STALE_AFTER_S = 3600.0
 _TMP = ".tmp-"
 _FULL_BYTES = 1 << 20  # a local disk with less free after a failed write counts as full
-_IDENTITY_RE = re.compile(r"\.tmp-([A-Za-z0-9._]+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
+_NAME_MAX = 255  # bytes of a file name on common filesystems
+# The current identity format only: an earlier one (host name and namespace) never matches.
+_IDENTITY_RE = re.compile(r"\.tmp-([0-9a-f]{12})-(\d+)-([0-9a-f]+)-[0-9a-f]{12}$")
 _IDENTITIES: dict[int, str] = {}
 _TIME_KEYS = ("mtime", "created", "LastModified", "last_modified")  # as discover reads them
 
@@ -129,7 +138,7 @@ def write_atomic(
                 raise _no_space(url, "the file has no commit marker, so it is not used") from err
             raise
         return
-    tmp = _join(parent, f".{name}{_TMP}{writer_identity()}-{uuid.uuid4().hex[:12]}")
+    tmp = _join(parent, _temp_name(name))
     try:
         if _is_local(fs):
             with open(tmp, "wb") as f:
@@ -154,6 +163,15 @@ def write_atomic(
                 url, "its temporary file was removed; the file there before is intact"
             ) from err
         raise
+
+
+def _temp_name(name: str) -> str:
+    """The hidden temporary name for ``name``: ``name`` is cut (at a character) where the
+    whole would pass ``_NAME_MAX`` bytes; the writer identity and random part stay whole."""
+    tail = f"{_TMP}{writer_identity()}-{uuid.uuid4().hex[:12]}"
+    room = _NAME_MAX - 1 - len(tail.encode())
+    stem = name.encode()[:room].decode(errors="ignore")
+    return f".{stem}{tail}"
 
 
 def _join(parent: str, name: str) -> str:
@@ -283,10 +301,11 @@ def remove_partial(
 ) -> list[str]:
     """Delete the temporary files in ``folder`` whose writer is gone; return their paths.
 
-    A file of a writer on this host goes once that process has ended; any other (another
-    host's writer, a name without a writer identity) once it has been untouched for
-    ``stale_after`` seconds. A live writer's file is never deleted, so this is safe while
-    other processes use the folder. Files that cannot be deleted (a read-only folder) stay.
+    A file of a writer with this machine's host token goes once that process has ended;
+    any other (another host's or boot's writer, a name without a writer identity or in an
+    earlier format) once it has been untouched for ``stale_after`` seconds. A live writer's
+    file is never deleted, so this is safe while other processes use the folder. Files that
+    cannot be deleted (a read-only folder) stay.
     """
     from .discover import modified_time  # discover imports this module
 
@@ -317,26 +336,40 @@ def remove_partial(
 
 
 def check_writable(folder: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Raise an ``OSError`` naming ``folder`` unless a file can be created and deleted in
-    it. A missing folder is created for the probe and removed again."""
-    fs, path = filesystem(folder, storage_options)
+    """Raise an ``OSError`` naming ``folder`` (chained to the error) unless a file can be
+    created in it; a probe file that cannot be deleted again is a warning (delete may be
+    denied, as on object stores with retention). A missing folder is created for the probe
+    and removed again."""
     created: list[str] = []
-    if _is_local(fs):
-        parent = os.path.abspath(path)
-        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-            created.append(parent)
-            parent = os.path.dirname(parent)
-    probe = _join(
-        path.rstrip("/"), f".write-probe{_TMP}{writer_identity()}-{uuid.uuid4().hex[:12]}"
-    )
     try:
-        fs.makedirs(path, exist_ok=True)
-        with fs.open(probe, "wb"):
-            pass  # empty: this checks permission; a full disk is reported by the save
-        fs.rm(probe)
-    except OSError as err:
-        reason = err.strerror or str(err)
-        raise OSError(err.errno, f"cannot write checkpoints to {folder}: {reason}") from err
+        try:
+            fs, path = filesystem(folder, storage_options)  # a missing backend fails here
+            if _is_local(fs):
+                parent = os.path.abspath(path)
+                while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+                    created.append(parent)
+                    parent = os.path.dirname(parent)
+            probe = _join(path.rstrip("/"), _temp_name(".write-probe")[1:])
+            fs.makedirs(path, exist_ok=True)
+            with fs.open(probe, "wb"):
+                pass  # empty: this checks permission; a full disk is reported by the save
+        except Exception as err:  # fsspec backends raise their own kinds too
+            reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
+            reason = reason or type(err).__name__
+            message = f"cannot write checkpoints to {folder}: {reason}"
+            code = err.errno if isinstance(err, OSError) else None
+            raise (OSError(code, message) if code is not None else OSError(message)) from err
+        try:
+            fs.rm(probe)
+        except FileNotFoundError:  # gone already (an eventually consistent listing)
+            pass
+        except Exception as err:
+            warnings.warn(
+                f"checkpoints can be written to {folder}, but its write probe {probe} could "
+                f"not be deleted ({type(err).__name__}: {err}); evicting old checkpoints "
+                "(save_top_k) may fail there too",
+                stacklevel=2,
+            )
     finally:
         for d in created:  # deepest first; a folder something else filled stays
             with contextlib.suppress(OSError):
@@ -345,7 +378,7 @@ def check_writable(folder: str, storage_options: dict[str, Any] | None = None) -
 
 def writer_identity(pid: int | None = None) -> str:
     """The writer identity ``<host>-<pid>-<start>`` of this process, or of process ``pid``
-    of this host (see the module docstring)."""
+    of this machine (see the module docstring); at most 12 + 1 + 20 + 1 + 16 characters."""
     if pid is not None:
         return f"{_host_token()}-{pid}-{_start_token(pid) or '0'}"
     pid = os.getpid()
@@ -356,13 +389,18 @@ def writer_identity(pid: int | None = None) -> str:
 
 def writer_alive(name: str) -> bool | None:
     """Whether the writer named in the temporary file name ``name`` still runs; None when
-    that cannot be told here (another host, no identity in the name, no ``/proc``)."""
+    that cannot be told here (another host token, no identity or an earlier format in the
+    name, no boot id or no ``/proc`` here)."""
     match = _IDENTITY_RE.search(name)
     if match is None or os.name == "nt" or match.group(1) != _host_token():
         return None
     pid, start = int(match.group(2)), match.group(3)
+    if pid == os.getpid() and start == writer_identity().rsplit("-", 1)[1]:
+        return True
+    if not _boot_id():  # the token is not this machine's alone: a local pid says nothing
+        return None
     if pid == os.getpid():
-        return start == writer_identity().rsplit("-", 1)[1]
+        return False  # an earlier process of this boot had this pid
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -377,25 +415,41 @@ def writer_alive(name: str) -> bool | None:
     return current == start
 
 
-def _host_token() -> str:
-    """The host name, made name-safe, and the PID namespace (where pids are comparable)."""
-    host = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())[:40] or "host"
+def _host_token(host: str | None = None, boot: str | None = None, ns: str | None = None) -> str:
+    """12 hex digits of a hash of the full host name, the boot id and the PID namespace
+    (this machine's, or the given parts'): equal only for one machine's one boot, among
+    comparable pids."""
+    host = socket.gethostname() if host is None else host
+    boot = _boot_id() if boot is None else boot
+    ns = _pid_namespace() if ns is None else ns
+    return hashlib.sha256(f"{host}\0{boot}\0{ns}".encode()).hexdigest()[:12]
+
+
+def _boot_id() -> str:
+    """This boot's id ("" where there is none)."""
     try:
-        return f"{host}.{os.stat('/proc/self/ns/pid').st_ino:x}"
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
     except OSError:
-        return host
+        return ""
+
+
+def _pid_namespace() -> str:
+    """The PID namespace's inode (hex; "" where there is none)."""
+    try:
+        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:
+        return ""
 
 
 def _start_token(pid: int) -> str | None:
-    """Boot id and start time of process ``pid`` (hex); None where ``/proc`` has none,
-    ``"ended"`` for a zombie (it has exited, only not been reaped)."""
+    """The start time of process ``pid`` (clock ticks since boot, hex); None where ``/proc``
+    has none, ``"ended"`` for a zombie (it has exited, only not been reaped)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip().replace("-", "")[:8]
     except (OSError, IndexError):
         return None
     if fields[0] in ("Z", "X"):
         return "ended"  # never equal to a start token
-    return f"{boot}{int(fields[19]):x}"
+    return f"{int(fields[19]):x}"
