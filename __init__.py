@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
         train_step,
     )
     from .loops import DataModule, Task, Trainer, callbacks, data, loggers
+    from .loops.cli import cli
 
 # Where each entry point lives. They are imported on first use, so ``import purestep.engine``
 # (a DataLoader worker, a DDP rank) does not pay for the loops' loggers and progress bars.
@@ -57,6 +58,7 @@ _ENTRY_POINTS = {
         name: ("purestep.loops", name)
         for name in ("DataModule", "Task", "Trainer", "callbacks", "data", "loggers")
     },
+    "cli": ("purestep.loops.cli", "cli"),  # jsonargparse (the cli extra) loads when it is called
 }
 
 try:
@@ -87,6 +89,7 @@ __all__ = [
     "__version__",
     "callbacks",
     "checkpoint",
+    "cli",
     "data",
     "engine",
     "eval_step",

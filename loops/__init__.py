@@ -7,7 +7,8 @@ pure ``callbacks`` return; ``loggers``; the ``Driver`` that carries out effects;
 compositions ``fit`` / ``FitLoop``, ``validate``, ``test``, ``run_evaluation``, ``predict``,
 ``run_prediction``; and the Lightning-shaped ``Trainer`` with ``Task`` and ``DataModule``.
 ``log(value, on_step=..., on_epoch=...)`` chooses how a value a step returns is logged.
-``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use.
+``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use, and
+so is ``cli`` (the config-file command line, ``loops.cli``; needs the ``cli`` extra).
 
 Note: the names ``fit``, ``evaluate`` and ``predict`` are the functions; the modules of the
 same names stay importable (``from purestep.loops.fit import FitLoop``).
@@ -62,6 +63,7 @@ __all__ = [
     "as_list",
     "batches",
     "callbacks",
+    "cli",
     "combine",
     "data",
     "dispatch",
@@ -87,4 +89,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(".testing", __name__)
+    if name == "cli":  # the command line (jsonargparse, the cli extra, loads when it is called)
+        import importlib
+
+        function = importlib.import_module(".cli", __name__).cli
+        globals()["cli"] = function  # the function, not the module of the same name
+        return function
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

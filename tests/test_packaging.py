@@ -50,8 +50,9 @@ print(purestep.__file__)
 
 
 def _source_files() -> set[str]:
-    """The package's ``.py`` files as the wheel should name them (``purestep/...``)."""
-    files = {"purestep/__init__.py"}
+    """The package's ``.py`` files as the wheel should name them (``purestep/...``): the
+    root's ``__init__.py`` and ``__main__.py`` (``python -m purestep``), and the subpackages."""
+    files = {"purestep/__init__.py", "purestep/__main__.py"}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             if "__pycache__" not in path.parts:

@@ -4,7 +4,10 @@
 files) and ``MemoryLogger`` (Python lists, for tests) share the ``Logger`` contract;
 ``LoggerCollection`` fans calls out to several; ``create_loggers`` reads the Trainer's
 ``logger`` flag. File loggers write into versioned run folders (``folders``) on any fsspec
-path, and resume a killed run through ``state()`` / ``restore(state)``.
+path, and resume a killed run through ``state()`` / ``restore(state)``. ``MLFlowLogger``
+and ``WandbLogger`` log to those services (the extras ``purestep[mlflow]`` and
+``purestep[wandb]``); their modules import ``mlflow`` / ``wandb`` only when a logger first
+talks to its backend, so importing purestep never imports them.
 """
 
 from .base import STATUSES, FolderLogger, Logger
@@ -13,7 +16,9 @@ from .csv import CSVLogger
 from .folders import RunFolder, next_version, run_dir
 from .hparams_yaml import dump_yaml, load_yaml
 from .memory import MemoryLogger
+from .mlflow import MLFlowLogger
 from .tensorboard import TensorBoardLogger
+from .wandb import WandbLogger
 
 __all__ = [
     "STATUSES",
@@ -21,9 +26,11 @@ __all__ = [
     "FolderLogger",
     "Logger",
     "LoggerCollection",
+    "MLFlowLogger",
     "MemoryLogger",
     "RunFolder",
     "TensorBoardLogger",
+    "WandbLogger",
     "create_loggers",
     "dump_yaml",
     "load_yaml",

@@ -138,7 +138,9 @@ def create_loggers(logger_flag: Any, default_root_dir: str | os.PathLike[str]) -
     if isinstance(logger_flag, LoggerCollection):
         loggers = list(logger_flag)
     elif isinstance(logger_flag, Logger):
-        return [logger_flag]
+        loggers = [logger_flag]
+        _tell_checkpoint_dir(loggers, default_root_dir)
+        return loggers
     elif isinstance(logger_flag, Iterable) and not isinstance(logger_flag, (str, bytes, Mapping)):
         loggers = [_check_logger(lg, "each item of the logger flag") for lg in logger_flag]
     else:
@@ -147,7 +149,24 @@ def create_loggers(logger_flag: Any, default_root_dir: str | os.PathLike[str]) -
             f"{type(logger_flag).__name__} {logger_flag!r}"
         )
     _share_version(loggers)
+    _tell_checkpoint_dir(loggers, default_root_dir)
     return loggers
+
+
+def _tell_checkpoint_dir(loggers: Sequence[Logger], default_root_dir: Any) -> None:
+    """Tell loggers that upload checkpoints (``MLFlowLogger(log_model=...)``) where the
+    Trainer's default ``ModelCheckpoint`` writes: ``<first logger's log_dir, else
+    default_root_dir>/checkpoints``, asked when they upload."""
+    first = loggers[0] if loggers else None
+
+    def folder() -> str:
+        root = first.log_dir if first is not None and first.log_dir is not None else None
+        return (root or os.fspath(default_root_dir)).rstrip("/") + "/checkpoints"
+
+    for logger in loggers:
+        hook = getattr(logger, "use_checkpoint_dir", None)
+        if callable(hook):
+            hook(folder)
 
 
 def _share_version(loggers: Sequence[Logger]) -> None:

@@ -1,0 +1,274 @@
+"""MLFlowLogger against real MLflow stores (a local ``file:`` store and a ``sqlite:///`` one).
+
+Everything is read back with MLflow's own ``MlflowClient``: parameters, tags, metric
+histories with their steps, artifacts, and the resumed run's history, which must equal an
+uninterrupted run's point for point. Skipped when the ``mlflow`` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("mlflow")
+pytest.importorskip("sqlalchemy")
+pytest.importorskip("alembic")
+
+from mlflow.tracking import MlflowClient
+
+from purestep.engine import optim
+from purestep.loops import Trainer
+from purestep.loops.callbacks import ModelCheckpoint
+from purestep.loops.loggers import CSVLogger, MLFlowLogger
+from tests.helpers import mlp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_env(monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("GIT_PYTHON_REFRESH", "quiet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+@pytest.fixture(params=["file", "sqlite"])
+def uri(request, tmp_path):
+    if request.param == "file":
+        return f"file:{tmp_path / 'mlruns'}"
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def history(client, run_id, key):
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def all_histories(client, run_id):
+    keys = client.get_run(run_id).data.metrics
+    return {k: sorted(history(client, run_id, k)) for k in keys}
+
+
+def test_params_metrics_tags_read_back(uri):
+    logger = MLFlowLogger(
+        experiment_name="exp", run_name="first", tracking_uri=uri, tags={"team": "a", "n": 3}
+    )
+    logger.log_hyperparams({"lr": 0.1, "opt": {"name": "adam", "betas": (0.9, 0.99)}, "x": None})
+    logger.log_metrics({"loss": torch.tensor(0.5), "epoch": 0}, step=0)
+    logger.log_metrics({"loss": 0.25, "acc": 1.0}, step=3)
+    logger.save()
+    logger.finalize("success")
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("exp")
+    assert logger.name == experiment.experiment_id
+    run = client.get_run(logger.version)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "first"
+    assert run.data.params == {
+        "lr": "0.1",
+        "opt/name": "adam",
+        "opt/betas": "[0.9, 0.99]",
+        "x": "None",
+    }
+    assert run.data.tags["team"] == "a" and run.data.tags["n"] == "3"
+    assert history(client, logger.run_id, "loss") == [(0, 0.5), (3, 0.25)]
+    assert history(client, logger.run_id, "acc") == [(3, 1.0)]
+    assert history(client, logger.run_id, "epoch") == [(0, 0.0)]
+
+
+def test_prefix_hparam_metrics_status_and_save_dir(tmp_path):
+    logger = MLFlowLogger(save_dir=tmp_path / "runs", prefix="p")
+    assert logger.save_dir == str(tmp_path / "runs")
+    logger.log_hyperparams({"a": 1}, metrics={"hp": 2.0})
+    logger.log_metrics({"m": 1.0}, step=1)
+    logger.finalize("interrupted")
+    client = MlflowClient(tracking_uri=logger.tracking_uri)
+    assert client.get_experiment_by_name("lightning_logs") is not None
+    assert history(client, logger.run_id, "p-hp") == [(0, 2.0)]
+    assert history(client, logger.run_id, "p-m") == [(1, 1.0)]
+    assert client.get_run(logger.run_id).info.status == "KILLED"
+    assert MLFlowLogger(tracking_uri="sqlite:///x.db").save_dir is None
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="log_model"):
+        MLFlowLogger(save_dir=tmp_path, log_model="best")
+    with pytest.raises(TypeError, match="tags"):
+        MLFlowLogger(save_dir=tmp_path, tags=["a"])
+    logger = MLFlowLogger(save_dir=tmp_path)
+    with pytest.raises(ValueError, match="finalize status"):
+        logger.finalize("done")
+    with pytest.raises(ValueError, match="run_id"):
+        logger.restore({"run_id": 3})
+
+
+def test_resume_in_process_skips_points_logged_again_and_keeps_the_rest(uri):
+    first = MLFlowLogger(tracking_uri=uri)
+    for step in range(4):
+        first.log_metrics({"a": float(step)}, step)
+    state = first.state()
+    for step in range(4, 7):  # logged after the checkpoint, then "killed"
+        first.log_metrics({"a": float(step), "b": 1.0}, step)
+
+    resumed = MLFlowLogger(tracking_uri=uri)
+    resumed.restore(state)
+    for step in range(4, 9):  # the same values again, then new ones
+        resumed.log_metrics({"a": float(step), "b": 1.0}, step)
+    resumed.finalize("success")
+    client = MlflowClient(tracking_uri=uri)
+    assert resumed.run_id == first.run_id
+    assert client.get_run(first.run_id).info.status == "FINISHED"
+    assert sorted(history(client, first.run_id, "a")) == [(s, float(s)) for s in range(9)]
+    assert sorted(history(client, first.run_id, "b")) == [(s, 1.0) for s in range(4, 9)]
+
+    # a point the resumed run does not repeat stays, with a warning at the end
+    again = MLFlowLogger(tracking_uri=uri)
+    again.restore(resumed.state())
+    again.truncate_after(6)
+    again.log_metrics({"a": 7.0, "b": 1.0}, 7)  # repeats step 7 but not step 8
+    again.log_metrics({"a": 9.0}, 9)
+    with pytest.warns(UserWarning, match="not logged again"):
+        again.finalize("success")
+    assert sorted(history(client, first.run_id, "a")) == [(s, float(s)) for s in range(10)]
+
+
+def test_restore_after_logging_is_an_error(tmp_path):
+    logger = MLFlowLogger(save_dir=tmp_path)
+    logger.log_metrics({"a": 1.0}, 0)
+    with pytest.raises(RuntimeError, match="before anything is logged"):
+        logger.restore({"run_id": logger.run_id, "timestamp": 0})
+
+
+# --------------------------------------------------------------------------- through the Trainer
+
+
+def _data(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _loss(apply, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(apply(x), y)
+
+
+def _fit(root, loggers, ckpt_path=None, callbacks=None, **flags):
+    trainer = Trainer(
+        default_root_dir=root,
+        logger=loggers,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        **flags,
+    )
+    trainer.fit(
+        mlp(),
+        _loss,
+        optim.adam(1e-2),
+        DataLoader(_data(), batch_size=8),
+        DataLoader(_data(16, 1), batch_size=8),
+        ckpt_path=ckpt_path,
+    )
+    return trainer
+
+
+@pytest.mark.parametrize("log_model", [True, "all"])
+def test_trainer_logs_checkpoints_as_artifacts(tmp_path, log_model):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = str(tmp_path / "root")
+    logger = MLFlowLogger(tracking_uri=uri, log_model=log_model)
+    _fit(root, logger, max_epochs=3, callbacks=[ModelCheckpoint(save_top_k=-1)])
+    names = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    client = MlflowClient(tracking_uri=uri)
+    listed = [a.path for a in client.list_artifacts(logger.run_id, "checkpoints")]
+    assert listed == [f"checkpoints/{n}" for n in names]
+    local = client.download_artifacts(logger.run_id, f"checkpoints/{names[-1]}", str(tmp_path))
+    with open(local, "rb") as a, open(os.path.join(root, "checkpoints", names[-1]), "rb") as b:
+        assert a.read() == b.read()
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "FINISHED"
+    assert {"train_loss", "val_loss", "epoch"} <= set(run.data.metrics)
+
+
+def test_trainer_without_log_model_uploads_nothing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(tracking_uri=uri)
+    _fit(str(tmp_path / "root"), logger, max_epochs=1)
+    assert MlflowClient(tracking_uri=uri).list_artifacts(logger.run_id) == []
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    [
+        "epoch=1-step=6.ckpt",  # the first fit's last: nothing to skip
+        "epoch=0-step=3.ckpt",  # as if killed after step 6: steps 3-6 are logged again
+    ],
+)
+def test_trainer_resume_continues_the_run_with_the_uninterrupted_history(uri, tmp_path, checkpoint):
+    every = dict(save_top_k=-1, every_n_train_steps=3)
+    # the uninterrupted run
+    whole = MLFlowLogger(tracking_uri=uri, experiment_name="whole")
+    _fit(str(tmp_path / "a"), whole, max_steps=11, callbacks=[ModelCheckpoint(**every)])
+    # the same in two fits: to max_steps=6, then from its checkpoint to 11
+    part = MLFlowLogger(tracking_uri=uri, experiment_name="parts", run_name="r")
+    root = str(tmp_path / "b")
+    _fit(root, [part, CSVLogger(root)], max_steps=6, callbacks=[ModelCheckpoint(**every)])
+    ckpt = os.path.join(root, "checkpoints", checkpoint)
+    again = MLFlowLogger(tracking_uri=uri, experiment_name="parts", run_name="r")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(
+            root,
+            [again, CSVLogger(root)],
+            max_steps=11,
+            callbacks=[ModelCheckpoint(**every)],
+            ckpt_path=ckpt,
+        )
+    assert not [w for w in caught if "not logged again" in str(w.message)]  # none left over
+    assert again.run_id == part.run_id
+    client = MlflowClient(tracking_uri=uri)
+    parts = client.get_experiment_by_name("parts").experiment_id
+    assert len(client.search_runs([parts])) == 1  # no second run
+    expected = all_histories(client, whole.run_id)
+    assert all_histories(client, part.run_id) == expected
+    assert {"train_loss", "val_loss", "epoch"} <= set(expected)
+    assert len(expected["train_loss"]) == 11
+    steps = [s for s, _ in expected["train_loss"]]
+    assert steps == sorted(set(steps))
+    assert client.get_run(part.run_id).info.status == "FINISHED"
+
+
+def test_missing_extra_names_the_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    logger = MLFlowLogger(save_dir=tmp_path)  # creating it does not need mlflow
+    with pytest.raises(ImportError, match=r'pip install "purestep\[mlflow\]"'):
+        logger.log_metrics({"a": 1.0}, 0)
+
+
+def test_importing_purestep_imports_neither_mlflow_nor_wandb():
+    code = (
+        "import sys, purestep, purestep.loops, purestep.loops.loggers\n"
+        "from purestep.loops.loggers import MLFlowLogger, WandbLogger\n"
+        "bad = [m for m in ('mlflow', 'wandb') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
