@@ -6,6 +6,7 @@ trained module out of the two: a deep copy of the template holding copies of the
 parameters and buffers (with their dtype and device: a meta-device template comes back on
 the state's device), tied weights still tied, the template untouched. ``inplace=True``
 loads the state into the given module instead, as ``module.load_state_dict`` would.
+``engine.checkpoint.load_module(path, template)`` does the same from a checkpoint file.
 """
 
 from __future__ import annotations

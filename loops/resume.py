@@ -3,8 +3,10 @@
 ``Checkpointing`` is what the Trainer hands the loop driver as its checkpointer. A
 checkpoint holds the whole ``TrainState`` plus metadata: library versions, the loop flags,
 the elapsed training time (the driver's clock, which a resumed run continues) and each
-logger's resume state (so a resumed run's logs end as if never interrupted). Only the
-primary process writes; the others wait at a barrier.
+logger's resume state (so a resumed run's logs end as if never interrupted), and the fit's
+task hparams and checkpoint hooks' data (``loops.task``: ``saved_data``; the restoring side
+is ``restore_task_data`` / ``restore_callback_data``). Only the primary process writes (and
+runs the save hooks); the others wait at a barrier.
 
 ``resolve(ckpt_path)`` turns ``"last"`` (the checkpoint with the furthest recorded progress
 that loads as a ``TrainState``, searched in the checkpoint folders, across the loggers'
@@ -45,6 +47,7 @@ from purestep.engine import checkpoint as ck
 from purestep.engine.state import TrainState
 
 from .callbacks.checkpoint import ModelCheckpoint
+from .task import saved_data
 
 __all__ = ["CKPT_KEYWORDS", "PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted"]
 
@@ -96,17 +99,38 @@ class Checkpointing:
         self._resolved: tuple[str, Any, dict[str, Any]] | None = None
         self._cleaned: set[str] = set()
         self._save_folders: list[str] = []  # this fit's checkpoint folders (check_writable)
+        # The fit's task and datamodule (``fit`` sets them): their hooks' data and the
+        # task's hparams go into every checkpoint's metadata (``task.saved_data``).
+        self.task: Any = None
+        self.datamodule: Any = None
 
     # ------------------------------------------------------------------ writing
 
-    def metadata(self, driver: Any, *, weights_only: bool = False) -> dict[str, Any]:
-        return {
+    def metadata(
+        self, driver: Any, *, weights_only: bool = False, state: Any = None
+    ) -> dict[str, Any]:
+        """The checkpoint's metadata; with the ``state`` being saved, also the hooks' data
+        (``hparams``, ``hooks``: see ``loops.task``), taken once per file written."""
+        meta = {
             "fn": driver.fn,
             "flags": self.config.flags,
             "elapsed": driver.elapsed(),
             "loggers": self._logger_states(driver),
             "weights_only": weights_only,
         }
+        if state is not None:
+            callbacks = getattr(driver, "callbacks", None) or []
+            meta.update(
+                saved_data(
+                    self.task,
+                    self.datamodule,
+                    callbacks,
+                    state,
+                    lambda: driver.context(state),
+                    weights_only=weights_only,
+                )
+            )
+        return meta
 
     def _logger_states(self, driver: Any) -> list[Any]:
         """The loggers' resume states, taken once per commit (a TensorBoard state closes
@@ -125,7 +149,7 @@ class Checkpointing:
             if folder not in self._cleaned:
                 self.remove_partial([folder], say=getattr(driver, "say", None))
             weights_only = isinstance(state, dict) and state.get("weights_only") is True
-            meta = self.metadata(driver, weights_only=weights_only)
+            meta = self.metadata(driver, weights_only=weights_only, state=state)
             if self.saver is not None:
                 self.saver.save(state, path, metadata=meta)
             else:
@@ -343,15 +367,17 @@ class Checkpointing:
             )
         return loaded, meta
 
-    def load_for_eval(self, url: str, fresh: TrainState) -> TrainState:
+    def load_for_eval(self, url: str, fresh: TrainState, *, with_metadata: bool = False) -> Any:
         """``fresh`` with the parameters and buffers of ``url`` (a full or weights-only
-        checkpoint), checked against and placed like ``fresh``'s."""
-        loaded, _ = self._load(url)
+        checkpoint), checked against and placed like ``fresh``'s (``with_metadata``:
+        ``(state, metadata)``)."""
+        loaded, meta = self._load(url)
         params = loaded["params"] if isinstance(loaded, dict) else loaded.params
         buffers = loaded["buffers"] if isinstance(loaded, dict) else loaded.buffers
         params = ck.conform(params, fresh.params, url=url, what="params")
         buffers = ck.conform(buffers, fresh.buffers, url=url, what="buffers")
-        return fresh.replace(params=params, buffers=buffers)
+        state = fresh.replace(params=params, buffers=buffers)
+        return (state, meta) if with_metadata else state
 
     def _load(self, url: str) -> tuple[Any, dict[str, Any]]:
         """``(state, metadata)`` of ``url``, as ``resolve`` loaded it if it is that file's

@@ -14,22 +14,57 @@ loss function.
 A ``DataModule`` groups data preparation and the dataloaders (``prepare_data``, ``setup``,
 ``train_dataloader``, ``val_dataloader``, ``test_dataloader``, ``predict_dataloader``,
 ``teardown``), as in Lightning.
+
+Checkpoint hooks, the functional way (Lightning's names). Lightning hands the hooks the
+checkpoint dict to mutate; here a hook *returns* plain data and the Trainer stores it in the
+checkpoint's metadata (``"hooks"``), through the same safe codec as the rest: tensors,
+numbers, strings, ``None``, dicts/lists/tuples of them (``engine.checkpoint.check_plain``);
+anything else (a module, a function, an ``@struct`` object) is refused with an error naming
+the hook and the node, before the file is written. Saving runs on the primary process, once
+per file written:
+
+- ``Task.on_save_checkpoint(self) -> data | None`` (None stores nothing);
+  ``Task.on_load_checkpoint(self, data)`` gets it back when a run starts from the
+  checkpoint (``fit(ckpt_path=...)``, ``validate``/``test``/``predict(ckpt_path=...)``,
+  ``Task.load_from_checkpoint``): in ``fit`` after ``setup``, before the dataloaders are
+  made (Lightning's order); in an evaluation before the stage's ``prepare_data``/``setup``.
+- ``DataModule.state_dict() -> dict`` (an empty one stores nothing) and
+  ``DataModule.load_state_dict(d)``, after the task's hook.
+- ``Callback.on_save_checkpoint(state, ctx) -> data | None`` and
+  ``Callback.on_load_checkpoint(state, data, ctx) -> new state`` (pure: its own state in,
+  its new state out), full checkpoints and ``fit`` only, as in Lightning; the callback's
+  state itself is in ``TrainState.callbacks`` already.
+
+A load hook is called only when the checkpoint holds data from its save hook. On saving:
+callbacks first (in their order), then the task, then the datamodule; on loading: the task,
+the datamodule, then the callbacks. The task's ``hparams`` are saved too (also in
+weights-only checkpoints), and ``MyTask.load_from_checkpoint(path, **overrides)`` rebuilds
+a task from them.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
+from purestep.engine import checkpoint as ck
 from purestep.engine import user_errors
+from purestep.engine.state import TrainState
 
 from .callbacks.base import Callback
 from .events import EVENTS
 
-__all__ = ["DataModule", "Task", "task_callback"]
+__all__ = [
+    "DataModule",
+    "Task",
+    "restore_callback_data",
+    "restore_task_data",
+    "saved_data",
+    "task_callback",
+]
 
 StepFn = Callable[[nn.Module, Any], Any]
 
@@ -51,7 +86,10 @@ class Task:
     and test run only when defined), ``predict_step`` (default: the model on the inputs),
     ``configure_optimizers`` (an ``engine.optim`` transform), ``configure_model`` (the
     template, if not given to ``__init__``), ``setup`` / ``teardown``. ``hparams`` are logged
-    as hyper-parameters at fit start.
+    as hyper-parameters at fit start and saved in every checkpoint: pass them as
+    ``Task(hparams=...)`` or call ``self.save_hyperparameters()`` in ``__init__``.
+    ``on_save_checkpoint`` / ``on_load_checkpoint`` add plain data to checkpoints (see the
+    module doc). ``load_from_checkpoint`` rebuilds a task with a checkpoint's weights.
 
     The step methods take ``(self, apply, batch)``; a subclass that defines one Lightning's
     way, ``(self, batch, batch_idx)``, is refused with a ``TypeError`` when it is defined.
@@ -70,9 +108,104 @@ class Task:
             elif callable(attr):  # a partial or callable object is called as it is
                 user_errors.check_signature(attr, name)
 
+    #: The checkpoint's ``TrainState`` after ``load_from_checkpoint`` (None for weights only).
+    state: TrainState | None = None
+
     def __init__(self, model: nn.Module | None = None, hparams: dict[str, Any] | None = None):
         self.model = model
+        if hparams is None:  # keep what save_hyperparameters() recorded before this call
+            hparams = getattr(self, "hparams", None)
         self.hparams = dict(hparams or {})
+
+    # ------------------------------------------------------------------ hyper-parameters
+
+    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str = ()) -> None:
+        """Record the calling ``__init__``'s arguments as ``self.hparams`` (Lightning's
+        ``save_hyperparameters``): call it from your subclass's ``__init__``, before or
+        after ``super().__init__()``. The arguments of every ``__init__`` of this object
+        being run are taken (a subclass's win), ``**kwargs`` merged in; ``*args`` are not.
+        ``save_hyperparameters("lr", "hidden")`` keeps only those; a single dict argument is
+        taken as the hyper-parameters themselves; ``ignore`` leaves names out. Arguments
+        that are modules are left out (the checkpoint holds their weights: give them again to
+        ``load_from_checkpoint`` as overrides). Every value must be plain data (numbers,
+        strings, tensors, containers): anything else is a ``TypeError`` naming it."""
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore)
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            found = dict(args[0])
+        else:
+            if not all(isinstance(a, str) for a in args):
+                raise TypeError(
+                    "save_hyperparameters() takes argument names (str) or one dict, got "
+                    f"{[type(a).__name__ for a in args]}"
+                )
+            found = _init_arguments(self, inspect.currentframe())
+            if args:
+                unknown = [a for a in args if a not in found]
+                if unknown:
+                    raise ValueError(
+                        f"save_hyperparameters(): {unknown} are not arguments of "
+                        f"{type(self).__name__}.__init__ (it has {sorted(found)})"
+                    )
+                found = {a: found[a] for a in args}
+            found = {k: v for k, v in found.items() if not isinstance(v, nn.Module)}
+        found = {k: v for k, v in found.items() if k not in ignored}
+        for name, value in found.items():
+            try:
+                ck.check_plain(value, f"hyper-parameter {name!r}")
+            except ck.CheckpointError as err:
+                raise TypeError(
+                    f"save_hyperparameters(): {err}; leave it out with ignore=[{name!r}]"
+                ) from None
+        self.hparams = found
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: str, *, map_location: Any = None, **overrides: Any
+    ) -> Any:
+        """A task rebuilt from a checkpoint: ``cls(**hparams, **overrides)``, with the saved
+        hyper-parameters the class's ``__init__`` takes (all of them if it takes
+        ``**kwargs``; the whole dict as ``hparams=`` if it has an ``hparams`` argument that
+        the saved ones do not name), then ``on_load_checkpoint`` with the task's hook data,
+        then its ``.model`` set to the trained module: the template (``get_model()``) with
+        the checkpoint's parameters and buffers (``engine.to_module``; keys and shapes must
+        match, or a ``CheckpointError`` says what differs). ``task.state`` is the
+        checkpoint's ``TrainState`` (None for a weights-only file). The class is the
+        caller's: nothing in the file names code to run. ``map_location`` (as for
+        ``torch.load``) places the tensors; by default the state is read to the CPU and the
+        model's tensors land on the template's devices. The module keeps the template's
+        train/eval mode."""
+        location = "cpu" if map_location is None else map_location
+        payload = ck.read(checkpoint_path, map_location=location)
+        loaded, meta = ck.load_payload(payload, url=checkpoint_path)
+        hparams = meta.get("hparams") or {}
+        if not isinstance(hparams, dict):
+            raise ck.CheckpointError(f"{checkpoint_path}: its hparams are not a dict")
+        ck.check_plain(hparams, "metadata['hparams']", url=checkpoint_path)
+        kwargs = {**_init_kwargs(cls, hparams), **overrides}
+        try:
+            task = cls(**kwargs)
+        except TypeError as err:
+            raise TypeError(
+                f"{cls.__name__}.load_from_checkpoint: {cls.__name__}(**{sorted(kwargs)}) "
+                f"failed: {err} (the checkpoint's hparams are {sorted(hparams)}; pass what is "
+                "missing as keyword overrides)"
+            ) from err
+        restore_task_data(meta, task, None, url=checkpoint_path)
+        template = task.get_model()
+        task.model = ck.files.module_from(
+            loaded, template, url=checkpoint_path, to_template=map_location is None
+        )
+        task.state = loaded if isinstance(loaded, TrainState) else None
+        return task
+
+    # ------------------------------------------------------------------ checkpoint hooks
+
+    def on_save_checkpoint(self) -> Any:
+        """Plain data to add to every checkpoint (None: nothing); see the module doc."""
+        return None
+
+    def on_load_checkpoint(self, data: Any) -> None:
+        """Receive what ``on_save_checkpoint`` returned when a run starts from a checkpoint."""
 
     # ------------------------------------------------------------------ what users override
 
@@ -174,6 +307,9 @@ class _FunctionTask(Task):
         return self._optimizer
 
 
+_CB_SAVE = Callback.on_save_checkpoint
+
+
 def task_callback(task: Task) -> Callback:
     """The task's loop-event handlers presented to the loops as one pure callback ("task").
 
@@ -223,3 +359,156 @@ class DataModule:
 
     def predict_dataloader(self) -> Any:
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data saved in checkpoints (an empty dict saves nothing), as in Lightning."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (a run starting from a checkpoint)."""
+
+
+# ---------------------------------------------------------------------- checkpoint data
+
+#: The metadata entries the hooks' data and the hyper-parameters are stored under.
+HOOKS_KEY = "hooks"
+HPARAMS_KEY = "hparams"
+
+
+def _name(obj: Any) -> str:
+    return type(obj).__name__
+
+
+def saved_data(
+    task: Task | None,
+    datamodule: DataModule | None,
+    callbacks: Sequence[Any],
+    state: Any,
+    context: Callable[[], Any] | None,
+    *,
+    weights_only: bool,
+) -> dict[str, Any]:
+    """The metadata entries a checkpoint of ``state`` gets from the hooks (the module doc):
+    ``"hparams"`` and ``"hooks"`` (``{"callbacks": {key: data}, "task": data,
+    "datamodule": state_dict}``, each only when there is something). Every value is checked
+    to be plain data here, so a bad one fails naming its hook, before anything is written.
+    ``context()`` makes the callbacks' ``Context`` (only called if one defines the hook)."""
+    hooks: dict[str, Any] = {}
+    if not weights_only and isinstance(state, TrainState):
+        extras, ctx = {}, None
+        for cb in callbacks:
+            hook = getattr(cb, "on_save_checkpoint", None)
+            if hook is None or getattr(type(cb), "on_save_checkpoint", None) is _CB_SAVE:
+                continue
+            if ctx is None and context is not None:
+                ctx = context()
+            data = hook(state.callbacks.get(cb.key), ctx)
+            if data is not None:
+                extras[cb.key] = ck.check_plain(data, f"{_name(cb)}.on_save_checkpoint()")
+        if extras:
+            hooks["callbacks"] = extras
+    out: dict[str, Any] = {}
+    if task is not None:
+        data = task.on_save_checkpoint()
+        if data is not None:
+            hooks["task"] = ck.check_plain(data, f"{_name(task)}.on_save_checkpoint()")
+        if task.hparams:
+            out[HPARAMS_KEY] = ck.check_plain(dict(task.hparams), f"{_name(task)}.hparams")
+    if datamodule is not None:
+        sd = datamodule.state_dict()
+        if sd:
+            hooks["datamodule"] = ck.check_plain(sd, f"{_name(datamodule)}.state_dict()")
+    if hooks:
+        out[HOOKS_KEY] = hooks
+    return out
+
+
+def _hooks_of(meta: Mapping[str, Any], url: str) -> dict[str, Any]:
+    """The checkpoint's hook data, checked to be plain data (a crafted file's ``@struct``
+    nodes or other objects are refused before any hook sees them)."""
+    hooks = meta.get(HOOKS_KEY) or {}
+    if not isinstance(hooks, dict):
+        raise ck.CheckpointError(f"{url}: malformed checkpoint: its hook data is not a dict")
+    return ck.check_plain(hooks, f"metadata[{HOOKS_KEY!r}]", url=url)
+
+
+def restore_task_data(
+    meta: Mapping[str, Any], task: Task | None, datamodule: DataModule | None, *, url: str
+) -> None:
+    """Hand a checkpoint's data back: ``task.on_load_checkpoint``, then
+    ``datamodule.load_state_dict`` (each only when the checkpoint holds its data)."""
+    hooks = _hooks_of(meta, url)
+    if task is not None and "task" in hooks:
+        task.on_load_checkpoint(hooks["task"])
+    if datamodule is not None and "datamodule" in hooks:
+        if not isinstance(hooks["datamodule"], dict):
+            raise ck.CheckpointError(f"{url}: the datamodule's saved state is not a dict")
+        datamodule.load_state_dict(hooks["datamodule"])
+
+
+def restore_callback_data(
+    meta: Mapping[str, Any],
+    callbacks: Sequence[Any],
+    state: TrainState,
+    context: Callable[[TrainState], Any],
+    *,
+    url: str,
+) -> TrainState:
+    """``state`` after each callback's ``on_load_checkpoint(own state, data, ctx)`` (in the
+    callbacks' order; only those whose data the checkpoint holds): its return value becomes
+    the callback's state (its ``init()`` stands in for a state the file does not have)."""
+    extras = _hooks_of(meta, url).get("callbacks") or {}
+    if not isinstance(extras, dict):
+        raise ck.CheckpointError(f"{url}: the callbacks' hook data is not a dict")
+    for cb in callbacks:
+        key = getattr(cb, "key", None)
+        hook = getattr(cb, "on_load_checkpoint", None)
+        if key not in extras or hook is None:
+            continue
+        own = state.callbacks[key] if key in state.callbacks else cb.init()
+        new = hook(own, extras[key], context(state))
+        state = state.replace(callbacks={**state.callbacks, key: new})
+    return state
+
+
+def _init_arguments(obj: Any, frame: Any) -> dict[str, Any]:
+    """The arguments of the ``__init__`` calls of ``obj`` running above ``frame`` (the
+    outermost, the subclass's, wins)."""
+    found: list[dict[str, Any]] = []
+    frame = frame.f_back if frame is not None else None
+    while frame is not None:
+        info = inspect.getargvalues(frame)
+        if frame.f_code.co_name != "__init__" or not info.args:
+            break
+        if info.locals.get(info.args[0]) is not obj:
+            break
+        args = {a: info.locals[a] for a in info.args[1:] if a in info.locals}
+        if info.keywords and isinstance(info.locals.get(info.keywords), dict):
+            args.update(info.locals[info.keywords])
+        found.append(args)
+        frame = frame.f_back
+    if not found:
+        raise RuntimeError(
+            "save_hyperparameters() records __init__'s arguments: call it inside your Task "
+            "subclass's __init__ (or pass the hyper-parameters as a dict)"
+        )
+    merged: dict[str, Any] = {}
+    for args in found:  # innermost first: the outer __init__ calls override
+        merged.update(args)
+    return merged
+
+
+def _init_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """What of ``hparams`` ``cls(...)`` takes (see ``Task.load_from_checkpoint``)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(hparams)
+    named = {
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    kwargs = {k: v for k, v in hparams.items() if k in named}
+    if "hparams" in named and "hparams" not in hparams:
+        kwargs["hparams"] = dict(hparams)
+    return kwargs

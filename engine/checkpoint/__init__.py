@@ -8,7 +8,8 @@ model and optimizer decide and takes the run's position from the file (``matchin
 ``find_latest(folder)`` / ``load_latest(folders)`` / ``read_latest(folders)`` pick the
 checkpoint with the furthest recorded progress that loads (``discover``; ``ranked`` orders
 them by the small record ``read_record`` reads), the latter two with its decoded state or
-its payload for ``load_payload``; ``AsyncCheckpointer``
+its payload for ``load_payload``; ``load_module(url, template)`` gives the trained module of
+a checkpoint (``engine.to_module`` of its weights); ``AsyncCheckpointer``
 writes in a background thread (``background``); ``export_state_dict`` / ``load_weights``
 exchange plain ``state_dict``s (``interop``).
 """
@@ -20,9 +21,11 @@ from .discover import candidates, find_latest, load_latest, modified_time, ranke
 from .files import (
     FORMAT,
     FORMAT_VERSION,
+    check_plain,
     conform,
     load,
     load_metadata,
+    load_module,
     load_payload,
     read,
     read_record,
@@ -39,6 +42,7 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointError",
     "candidates",
+    "check_plain",
     "conform",
     "decode",
     "encode",
@@ -47,6 +51,7 @@ __all__ = [
     "is_committed",
     "load",
     "load_metadata",
+    "load_module",
     "load_latest",
     "load_payload",
     "load_weights",

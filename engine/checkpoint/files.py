@@ -13,6 +13,14 @@ is reported as such, a foreign file (e.g. a Lightning ``.ckpt``) is told apart.
 ``load(url, target=state)`` checks the file against a target and lists every mismatch
 (``matching``); ``strict=False`` takes what matches and keeps the target's values for the rest.
 ``load_payload`` does the same for a payload already read, so a file is read only once.
+
+``load_module(url, template)`` is the trained ``nn.Module`` of a checkpoint (full or
+weights-only): the template with the file's parameters and buffers (``engine.to_module``),
+on the template's devices unless ``map_location`` says otherwise. ``check_plain`` is the
+rule for data that hooks add to a checkpoint (``loops``: a Task's ``on_save_checkpoint``,
+a DataModule's ``state_dict``, hyper-parameters): tensors, numbers, strings, ``None``,
+dtypes, devices and dicts/lists/tuples of them, no ``@struct`` objects, both when it is
+written and when it is read back.
 """
 
 from __future__ import annotations
@@ -23,17 +31,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from . import storage
-from .codec import CheckpointError, decode, encode
+from .codec import MAX_DEPTH, CheckpointError, decode, encode
 from .matching import conform, fit_to
 from .safe_load import corrupt, open_archive, read_entry, torch_load
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "check_plain",
     "conform",
     "load",
+    "load_module",
     "load_metadata",
     "load_payload",
     "read",
@@ -259,3 +270,105 @@ def _decode_entry(payload: dict[str, Any], entry: str, url: str) -> Any:
         return decode(payload[entry], root)
     except CheckpointError as err:
         raise CheckpointError(f"{url}: {err}") from None
+
+
+_PLAIN_LEAVES = (bool, int, float, str, torch.dtype, torch.device)
+
+
+def check_plain(value: Any, what: str, *, url: str | None = None) -> Any:
+    """``value`` if it is plain data (see the module doc), else a ``CheckpointError``
+    naming the offending node under ``what`` (and the file, for data read from ``url``).
+    Structs are refused although the codec could carry them: hook data never builds an
+    object, whatever a crafted file says."""
+    _check_plain(value, what, 0, url)
+    return value
+
+
+def _check_plain(value: Any, path: str, depth: int, url: str | None) -> None:
+    if value is None or isinstance(value, (torch.Tensor, *_PLAIN_LEAVES)):
+        return
+    plain_tuple = isinstance(value, tuple) and not hasattr(value, "_fields")
+    if isinstance(value, (dict, list)) or plain_tuple:
+        if depth >= MAX_DEPTH:
+            raise CheckpointError(f"{path}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not (k is None or isinstance(k, (bool, int, float, str))):
+                    raise CheckpointError(f"{path}: the dict key {k!r} is not a str or a number")
+                _check_plain(v, f"{path}[{k!r}]", depth + 1, url)
+        else:
+            for i, v in enumerate(value):
+                _check_plain(v, f"{path}[{i}]", depth + 1, url)
+        return
+    kind = type(value).__name__
+    plain = "plain data (tensors, numbers, strings, None and dicts/lists/tuples of them)"
+    if url is not None:
+        raise CheckpointError(f"{url}: {path} holds a {kind}, not {plain}")
+    raise CheckpointError(f"cannot save {path}: a {kind} is not {plain}")
+
+
+def load_module(
+    url: str,
+    template: nn.Module,
+    *,
+    map_location: Any = None,
+    commit: str = "auto",
+    storage_options: dict[str, Any] | None = None,
+) -> nn.Module:
+    """The trained module of the checkpoint at ``url``: a copy of ``template`` (the module
+    the run was built from; it is not changed) holding the file's parameters and buffers,
+    as ``engine.to_module(state, template)`` makes it. Works for full and weights-only
+    checkpoints. Keys and shapes must match the template exactly (one ``CheckpointError``
+    naming the file says what differs). ``map_location`` (as for ``torch.load``) places the
+    tensors; by default each lands on its template tensor's device (a meta-device template:
+    on the CPU)."""
+    location = "cpu" if map_location is None else map_location
+    payload = read(url, map_location=location, commit=commit, storage_options=storage_options)
+    state, _ = load_payload(payload, url=url)
+    return module_from(state, template, url=url, to_template=map_location is None)
+
+
+def module_from(loaded: Any, template: nn.Module, *, url: str, to_template: bool) -> nn.Module:
+    """``load_module`` of a state already decoded (a ``TrainState`` or a weights-only
+    payload); ``to_template``: move each tensor to its template tensor's device first."""
+    from ..bind import canonical_names
+    from ..export import to_module  # export imports this package: import at call time
+    from ..state import Progress, TrainState
+
+    if isinstance(loaded, TrainState):
+        state = loaded
+    elif (
+        isinstance(loaded, dict)
+        and loaded.get("weights_only") is True
+        and isinstance(loaded.get("params"), dict)
+        and isinstance(loaded.get("buffers"), dict)
+    ):
+        state = TrainState(loaded["params"], loaded["buffers"], None, Progress(), 0)
+    else:
+        raise CheckpointError(
+            f"{url} holds a {type(loaded).__name__}, not a training state or weights"
+        )
+    if not isinstance(template, nn.Module):
+        raise TypeError(f"expected the nn.Module template, got {type(template).__name__}")
+    if to_template:
+        devices = {}
+        slots = dict(template.named_parameters(remove_duplicate=False))
+        slots.update(template.named_buffers(remove_duplicate=False))
+        for slot, canon in canonical_names(template).items():
+            if not slots[slot].is_meta:
+                devices[canon] = slots[slot].device
+
+        def place(table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {
+                k: v.to(devices[k]) if k in devices and isinstance(v, torch.Tensor) else v
+                for k, v in table.items()
+            }
+
+        state = state.replace(params=place(state.params), buffers=place(state.buffers))
+    try:
+        return to_module(state, template)
+    except (KeyError, ValueError) as err:
+        detail = err.args[0] if err.args else str(err)
+        raise CheckpointError(
+            f"{url}: its weights do not fit the module: {str(detail).removeprefix('to_module: ')}"
+        ) from None

@@ -8,6 +8,13 @@ and handlers named after the loop events (``loops.events``). Each handler takes
 touching loggers): they ask for them through ``Requests`` and the driver carries them out.
 The base class handles every event by returning its state unchanged and asking for nothing;
 subclasses override the events they care about (the loops skip the rest cheaply).
+
+Two checkpoint hooks (Lightning's names) let a callback add data beside its state, which
+checkpoints hold anyway: ``on_save_checkpoint(state, ctx)`` returns plain data for the file
+(tensors, numbers, strings, containers; None adds nothing), called on the primary process
+for every full checkpoint written; ``on_load_checkpoint(state, data, ctx)`` gets it back when
+``fit`` resumes from that file and returns the callback's new state (no ``Requests``: a
+restore asks for no effects). Both stay pure.
 """
 
 from __future__ import annotations
@@ -44,6 +51,15 @@ class Callback:
 
     def setup(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
         return state, NOTHING
+
+    def on_save_checkpoint(self, state: Any, ctx: Context) -> Any:
+        """Extra plain data for a full checkpoint being written (None: nothing)."""
+        return None
+
+    def on_load_checkpoint(self, state: Any, data: Any, ctx: Context) -> Any:
+        """The callback's state after ``fit`` resumes from a checkpoint holding ``data``
+        (what ``on_save_checkpoint`` returned)."""
+        return state
 
     def on_fit_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
         return state, NOTHING
