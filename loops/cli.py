@@ -193,7 +193,7 @@ class CLI:
 
     def _add_arguments(self, parser: Any, subcommand: str | None) -> None:
         jsonargparse = _jsonargparse()
-        from .callbacks import Callback
+        from .callbacks import Callback, ProgressBarBase
         from .loggers import Logger
 
         parser.add_argument(
@@ -209,7 +209,7 @@ class CLI:
         # The Trainer takes these as Any; typed here so they take class_path / init_args.
         parser.add_argument(
             "--trainer.callbacks",
-            type=list[Callback] | Callback | None,
+            type=list[Callback | ProgressBarBase] | Callback | ProgressBarBase | None,
             default=None,
             help="Callbacks: a class_path / init_args mapping or a list of them.",
         )

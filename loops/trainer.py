@@ -23,6 +23,7 @@ assembly) and ``trainer_run`` (status, callbacks, driver and torch settings ever
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from purestep import hardware
 from purestep.engine.state import TrainState
 
 from . import loop_state, schedule, trainer_eval, trainer_fit
-from .callbacks import ModelCheckpoint
+from .callbacks import EarlyStopping, ModelCheckpoint, ProgressBar, ProgressBarBase
 from .config import FLAG_NAMES, LoopConfig
 from .driver import Driver
 from .events import Stage
@@ -68,6 +69,27 @@ class Trainer:
     shown to a callback is overwritten by the next step (copy what you keep) and
     ``on_exception`` sees the latest state rather than the last commit point; False keeps
     every state immutable.
+
+    ``prepare_data_per_node`` (default True): the DataModule's ``prepare_data`` (and the
+    task's, if it has one) runs on local rank 0 of every node; False: on global rank 0 only.
+    A ``prepare_data_per_node`` attribute of the DataModule or the task wins over the flag.
+    The other ranks wait for it before any ``setup`` (``trainer_data.prepare_data``).
+
+    ``callbacks`` may hold one progress bar (a ``ProgressBarBase``: ``ProgressBar(
+    refresh_rate=N)``, ``RichProgressBar()``), used instead of the default bar; it is an
+    observer, kept as ``progress_bar_callback`` rather than in ``callbacks``. Passing one
+    with ``enable_progress_bar=False``, or two, is an error.
+
+    Read-only properties, with Lightning's meanings: ``status``, ``stage``, ``interrupted``,
+    ``current_epoch``, ``global_step``, ``callback_metrics``, ``logged_metrics`` (latest
+    value of each metric sent to the loggers), ``progress_bar_metrics``, ``should_stop``,
+    ``log_dir``, ``best_model_path``, ``estimated_stepping_batches``; ``checkpoint_callback``
+    / ``checkpoint_callbacks``, ``early_stopping_callback`` / ``early_stopping_callbacks``,
+    ``progress_bar_callback``; ``num_training_batches`` (per epoch, ``inf`` before fit),
+    ``num_val_batches`` / ``num_test_batches`` / ``num_predict_batches`` (one count per
+    dataloader, after the ``limit_*`` flags), ``num_sanity_val_steps`` (as computed) and
+    ``num_sanity_val_batches``; ``world_size``, ``global_rank``, ``local_rank``,
+    ``node_rank``, ``is_global_zero``.
     """
 
     @defaults_from_env
@@ -106,6 +128,7 @@ class Trainer:
         deterministic: bool | str | None = None,
         detect_anomaly: bool = False,
         multiple_trainloader_mode: str = "max_size_cycle",
+        prepare_data_per_node: bool = True,
         async_checkpoint: bool = False,
         preemption_signals: Sequence[int] | None = None,
         donate_state: bool = True,
@@ -160,6 +183,8 @@ class Trainer:
         ):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool or None, got {value!r}")
+        if not isinstance(prepare_data_per_node, bool):
+            raise TypeError(f"prepare_data_per_node must be a bool, got {prepare_data_per_node!r}")
         self.strategy = hardware.from_flags(accelerator, devices, strategy, precision)
         self.enable_progress_bar = enable_progress_bar is not False
         self.enable_model_summary = enable_model_summary is not False
@@ -168,7 +193,27 @@ class Trainer:
         self.deterministic = deterministic
         self.detect_anomaly = detect_anomaly
         self.multiple_trainloader_mode = multiple_trainloader_mode
-        self.callbacks = _as_callbacks(callbacks)
+        self.prepare_data_per_node = prepare_data_per_node
+        given_callbacks = _as_list(callbacks)
+        bars = [cb for cb in given_callbacks if isinstance(cb, ProgressBarBase)]
+        if len(bars) > 1:
+            raise ValueError(
+                f"callbacks hold {len(bars)} progress bars "
+                f"({', '.join(type(b).__name__ for b in bars)}); pass one"
+            )
+        if bars and enable_progress_bar is False:
+            raise ValueError(
+                f"Trainer(enable_progress_bar=False) but a {type(bars[0]).__name__} is in "
+                "callbacks: remove it or enable the progress bar"
+            )
+        # The bar in use (the one given, or the default one): an observer the runs draw
+        # with, not one of the pure callbacks in ``self.callbacks``.
+        self._progress_bar: ProgressBarBase | None = (
+            bars[0] if bars else ProgressBar() if self.enable_progress_bar else None
+        )
+        self.callbacks = _as_callbacks(
+            [cb for cb in given_callbacks if not isinstance(cb, ProgressBarBase)]
+        )
         given = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
         if given and not self.enable_checkpointing:
             raise ValueError(
@@ -204,6 +249,8 @@ class Trainer:
         self._driver: Driver | None = None
         self._task: Task | None = None
         self._loop: FitLoop | None = None
+        # Batches per dataloader of the latest evaluations, by kind (trainer_run.BatchCounts).
+        self._num_batches: dict[str, list[int | float]] = {}
         # Whether the last fit failed inside an in-place update (it left no whole state).
         self._torn = False
         # Effects a test (or an embedding application) may replace.
@@ -294,6 +341,107 @@ class Trainer:
     def checkpoint_callback(self) -> ModelCheckpoint | None:
         """The first ``ModelCheckpoint`` among the callbacks (None without one)."""
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """Every ``ModelCheckpoint`` among the callbacks, in order."""
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def early_stopping_callback(self) -> EarlyStopping | None:
+        """The first ``EarlyStopping`` among the callbacks (None without one)."""
+        return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+
+    @property
+    def early_stopping_callbacks(self) -> list[EarlyStopping]:
+        """Every ``EarlyStopping`` among the callbacks, in order."""
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def progress_bar_callback(self) -> ProgressBarBase | None:
+        """The progress bar the runs draw with: the one passed in ``callbacks``, else the
+        default ``ProgressBar``; None with ``enable_progress_bar=False``. It is an observer,
+        not one of the pure callbacks, so it is not in ``trainer.callbacks``."""
+        return self._progress_bar
+
+    @property
+    def logged_metrics(self) -> dict[str, torch.Tensor]:
+        """The latest value of every metric the current (or last) run sent to the loggers
+        (Lightning's ``logged_metrics``; kept with or without loggers, on every rank)."""
+        return dict(getattr(self._driver, "logged_metrics", {}))
+
+    # ------------------------------------------------------------------ batch counts
+
+    @property
+    def num_training_batches(self) -> int | float:
+        """Training batches per epoch of the current (or last) fit, after
+        ``limit_train_batches`` (``math.inf`` for data of unknown length, and before fit)."""
+        if self._loop is None or self._loop.num_train is None:
+            return math.inf
+        return self._loop.num_train
+
+    @property
+    def num_val_batches(self) -> list[int | float]:
+        """Validation batches per dataloader, after ``limit_val_batches``: those of the
+        current (or last) fit while ``trainer.fn == "fit"``, else of the last ``validate``
+        (``[]`` before any validation data was loaded)."""
+        if self.fn == "fit" and self._loop is not None and self._loop.val_max:
+            return list(self._loop.val_max)
+        return list(self._num_batches.get("validation", []))
+
+    @property
+    def num_test_batches(self) -> list[int | float]:
+        """Test batches per dataloader of the last ``test``, after ``limit_test_batches``."""
+        return list(self._num_batches.get("test", []))
+
+    @property
+    def num_predict_batches(self) -> list[int | float]:
+        """Predict batches per dataloader of the last ``predict``, after
+        ``limit_predict_batches``."""
+        return list(self._num_batches.get("predict", []))
+
+    @property
+    def num_sanity_val_steps(self) -> int | float:
+        """The sanity check's batches per validation dataloader at most, as computed:
+        ``num_sanity_val_steps=-1`` is ``math.inf``, and ``fast_dev_run`` makes it 0."""
+        return self.config.num_sanity_val_steps
+
+    @property
+    def num_sanity_val_batches(self) -> list[int | float]:
+        """Batches per dataloader the last fit's sanity check ran (``[]`` if it ran none)."""
+        return list(self._num_batches.get(Stage.SANITY_CHECK, []))
+
+    # ------------------------------------------------------------------ process ranks
+
+    @property
+    def world_size(self) -> int:
+        """How many processes run this training (all nodes together)."""
+        return getattr(self.strategy, "world_size", 1)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's index among all processes (0 ... ``world_size - 1``)."""
+        return getattr(self.strategy, "rank", 0)
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index among the processes of its node (``LOCAL_RANK``)."""
+        return getattr(self.strategy, "local_rank", 0)
+
+    @property
+    def node_rank(self) -> int:
+        """The index of this process's node: ``NODE_RANK``, else torchrun's ``GROUP_RANK``
+        (0 for a single process)."""
+        if self.world_size == 1:
+            return 0
+        for var in ("NODE_RANK", "GROUP_RANK"):
+            text = os.environ.get(var)
+            if text:
+                try:
+                    return int(text)
+                except ValueError:
+                    raise ValueError(f"{var}={text!r} is not an integer") from None
+        return 0
 
     @property
     def best_model_path(self) -> str:
@@ -424,14 +572,19 @@ class Trainer:
         )
 
 
-def _as_callbacks(callbacks: Any) -> list[Any]:
+def _as_list(callbacks: Any) -> list[Any]:
     if callbacks is None:
         return []
     if not isinstance(callbacks, (list, tuple)):
-        callbacks = [callbacks]
+        return [callbacks]
+    return list(callbacks)
+
+
+def _as_callbacks(callbacks: list[Any]) -> list[Any]:
     for cb in callbacks:
         if not (hasattr(cb, "key") and callable(getattr(cb, "init", None))):
             raise TypeError(
-                f"{type(cb).__name__} is not a callback (subclass loops.callbacks.Callback)"
+                f"{type(cb).__name__} is not a callback (subclass loops.callbacks.Callback; "
+                "a progress bar subclasses loops.callbacks.ProgressBarBase)"
             )
     return list(callbacks)

@@ -68,8 +68,7 @@ LIGHTNING_FLAGS: dict[str, str] = {
     "weights_save_path": "use callbacks=[ModelCheckpoint(dirpath=...)]",
     "checkpoint_callback": "use enable_checkpointing; a ModelCheckpoint goes in callbacks=[...]",
     "progress_bar_refresh_rate": (
-        "use enable_progress_bar, 0 -> False; another refresh rate is not available "
-        "through the Trainer yet"
+        "use enable_progress_bar, 0 -> False; another rate: callbacks=[ProgressBar(refresh_rate=N)]"
     ),
     "process_position": _NOT_YET,
     "weights_summary": (
@@ -88,7 +87,6 @@ LIGHTNING_FLAGS: dict[str, str] = {
     "sync_batchnorm": "use strategy=hardware.ddp(sync_batchnorm=True)",
     "distributed_backend": 'use strategy="ddp"',
     "truncated_bptt_steps": _NOT_YET,
-    "prepare_data_per_node": _NOT_YET,
     "stochastic_weight_avg": _NOT_YET,
     "auto_lr_find": _NOT_YET,
     "auto_scale_batch_size": _NOT_YET,

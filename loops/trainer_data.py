@@ -27,6 +27,7 @@ __all__ = [
     "eval_data",
     "fit_data",
     "overrides",
+    "prepare_data",
     "train_data",
 ]
 
@@ -72,13 +73,75 @@ def eval_data(data: Any, seed: int, *, strategy: Any, sequential: bool = False) 
     return sources
 
 
-def data_for(name: str, dataloaders: Any, datamodule: DataModule | None, getter: str) -> Any:
+def _per_node(owner: Any, trainer_flag: bool) -> bool:
+    """Whether ``owner`` (a DataModule or a Task) prepares once per node: its own
+    ``prepare_data_per_node`` attribute when it sets one, else the Trainer's flag."""
+    own = getattr(owner, "prepare_data_per_node", None)
+    if own is None:
+        return trainer_flag
+    if not isinstance(own, bool):
+        raise TypeError(
+            f"{type(owner).__name__}.prepare_data_per_node must be True or False, got {own!r}"
+        )
+    return own
+
+
+def prepare_data(trainer: Any, task: Any, datamodule: DataModule | None) -> None:
+    """Run ``datamodule.prepare_data()`` (and the task's, if it has one) where it belongs,
+    then let every rank go on together.
+
+    Once per node (on local rank 0) when ``prepare_data_per_node`` is True (the default),
+    once overall (on global rank 0) when False; the DataModule's or the Task's own
+    ``prepare_data_per_node`` attribute wins over ``Trainer(prepare_data_per_node=...)``.
+    With several processes every rank then waits for the others (a collective: bounded
+    by the strategy's timeout, ``hardware.ddp(timeout=...)``), so no rank's ``setup`` starts
+    before the data is prepared; a failure on one rank is raised on every rank.
+    """
+    hooks = []
+    if datamodule is not None and overrides(datamodule, "prepare_data"):
+        hooks.append((datamodule, datamodule.prepare_data))
+    task_hook = getattr(task, "prepare_data", None) if task is not None else None
+    if callable(task_hook):
+        hooks.append((task, task_hook))
+    if not hooks:
+        return
+    local_zero, global_zero = trainer.local_rank == 0, trainer.global_rank == 0
+    failure: BaseException | None = None
+    try:
+        for owner, hook in hooks:
+            if local_zero if _per_node(owner, trainer.prepare_data_per_node) else global_zero:
+                hook()
+    except Exception as err:
+        failure = err
+    if trainer.world_size > 1:
+        # the barrier: every rank reports whether its preparation failed
+        outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
+        failed = [
+            (rank, why)
+            for rank, why in enumerate(trainer.strategy.all_gather_object(outcome))
+            if why is not None
+        ]
+        if failed and failure is None:
+            rank, why = failed[0]
+            raise RuntimeError(f"prepare_data failed on rank {rank}: {why}")
+    if failure is not None:
+        raise failure
+
+
+def data_for(
+    trainer: Any,
+    task: Any,
+    name: str,
+    dataloaders: Any,
+    datamodule: DataModule | None,
+    getter: str,
+) -> Any:
     """The dataloaders of an evaluation run: the ones given, or ``datamodule.<getter>()``
-    after its ``prepare_data`` and ``setup(name)``."""
+    after ``prepare_data`` (``prepare_data`` above, the task's too) and ``setup(name)``."""
     if datamodule is not None and dataloaders is not None:
         raise TypeError("pass either dataloaders or a datamodule, not both")
+    prepare_data(trainer, task, datamodule)
     if datamodule is not None:
-        datamodule.prepare_data()
         datamodule.setup(name)
         dataloaders = getattr(datamodule, getter)()
     return dataloaders

@@ -17,7 +17,7 @@ from purestep.engine.state import TrainState
 from .evaluate import evaluate as run_evaluate
 from .events import Stage
 from .predict import predict as run_predict
-from .task import DataModule, Task, default_predict
+from .task import DataModule, Task, default_predict, restore_task_data
 from .trainer_data import data_for, data_seed, eval_data
 from .trainer_run import TrainerStatus, driver_for, printer, run_context
 
@@ -81,9 +81,17 @@ def eval_target(
 
 
 def from_checkpoint(
-    trainer: Trainer, ckpt_path: str | None, state: TrainState, fn: str
+    trainer: Trainer,
+    ckpt_path: str | None,
+    state: TrainState,
+    fn: str,
+    *,
+    task: Task | None = None,
+    datamodule: DataModule | None = None,
 ) -> TrainState:
-    """``state`` with the weights of ``ckpt_path`` ("best", "last" or a path), if given."""
+    """``state`` with the weights of ``ckpt_path`` ("best", "last" or a path), if given;
+    the checkpoint's data goes back to ``task`` and ``datamodule`` (``on_load_checkpoint``,
+    ``load_state_dict``), before the stage's ``prepare_data`` and ``setup``."""
     if ckpt_path is None:
         return state
     checkpointing = trainer.checkpointing
@@ -92,7 +100,9 @@ def from_checkpoint(
     )
     if url is None:
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no checkpoint found")
-    return checkpointing.load_for_eval(url, state)
+    state, meta = checkpointing.load_for_eval(url, state, with_metadata=True)
+    restore_task_data(meta, task, datamodule, url=url)
+    return state
 
 
 def evaluate(
@@ -110,11 +120,11 @@ def evaluate(
     name = "validate" if stage == Stage.VALIDATE else "test"
     method = "validation_step" if stage == Stage.VALIDATE else "test_step"
     task, state = eval_target(trainer, model, fn, state, method, ckpt_path)
-    state = from_checkpoint(trainer, ckpt_path, state, name)
+    state = from_checkpoint(trainer, ckpt_path, state, name, task=task, datamodule=datamodule)
     if not task.has(method):
         raise NotImplementedError(f"{type(task).__name__} does not define {method}()")
     getter = "val_dataloader" if stage == Stage.VALIDATE else "test_dataloader"
-    dataloaders = data_for(name, dataloaders, datamodule, getter)
+    dataloaders = data_for(trainer, task, name, dataloaders, datamodule, getter)
     task.setup(name)
     strategy = trainer.strategy
     net = strategy.convert_model(task.get_model())
@@ -154,8 +164,8 @@ def predict(
         if not is_fitted:
             fn = default_predict
     task, state = eval_target(trainer, model, fn, state, "predict_step", ckpt_path)
-    state = from_checkpoint(trainer, ckpt_path, state, "predict")
-    dataloaders = data_for("predict", dataloaders, datamodule, "predict_dataloader")
+    state = from_checkpoint(trainer, ckpt_path, state, "predict", task=task, datamodule=datamodule)
+    dataloaders = data_for(trainer, task, "predict", dataloaders, datamodule, "predict_dataloader")
     task.setup("predict")
     strategy = trainer.strategy
     net = strategy.convert_model(task.get_model())

@@ -15,8 +15,8 @@ from purestep.engine.state import TrainState
 
 from . import schedule
 from .fit import FitLoop
-from .task import DataModule, Task
-from .trainer_data import check_fit_data, data_seed, fit_data
+from .task import DataModule, Task, restore_callback_data, restore_task_data
+from .trainer_data import check_fit_data, data_seed, fit_data, prepare_data
 from .trainer_run import TrainerStatus, driver_for, printer, run_context
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ def fit(
     has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule)
     trainer._task = task
     trainer._loop = None
+    prepare_data(trainer, task, datamodule)
     if datamodule is not None:
-        datamodule.prepare_data()
         datamodule.setup("fit")
     task.setup("fit")
     strategy = trainer.strategy
@@ -92,10 +92,14 @@ def fit(
     elapsed = 0.0
     say = printer(trainer)
     checkpointing = trainer.checkpointing
+    checkpointing.task, checkpointing.datamodule = task, datamodule  # their save hooks
     url = checkpointing.resolve(ckpt_path, trainer.callbacks, None, fn="fit", say=say)
+    meta: dict[str, Any] = {}
     if url is not None:
         state, meta = checkpointing.restore(url, state)
         elapsed = float(meta.get("elapsed", 0.0))
+        # after setup, before the dataloaders are made (Lightning's order)
+        restore_task_data(meta, task, datamodule, url=url)
         say(f"Restored the training state from {url}")
     config = trainer.config
     train_loader, val_loaders = fit_data(
@@ -125,6 +129,8 @@ def fit(
     )
     driver = driver_for(trainer, "fit", task, net)
     driver.elapsed_offset = elapsed
+    if url is not None:  # the callbacks' on_load_checkpoint, now that they are known
+        state = restore_callback_data(meta, driver.callbacks, state, driver.context, url=url)
     checkpointing.check_writable(driver.callbacks, state, driver.log_dir)  # fail before step 1
     if url is not None:
         driver.extra["resumed_from"] = url

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .callbacks import ModelSummary, ProgressBar, Timer
+from .callbacks import ModelSummary, Timer
 from .driver import Driver
 from .driver import print_message as _say
+from .events import Stage
 from .task import Task, task_callback
 
 if TYPE_CHECKING:
@@ -124,15 +125,60 @@ def shared_log_dir(trainer: Trainer) -> str:
     return strategy.broadcast_object(chosen, 0)
 
 
+class TrainerDriver(Driver):
+    """The Trainer's driver: a ``Driver`` that also keeps the latest value of every metric
+    it sent to the loggers (``Trainer.logged_metrics``; on every rank, loggers or not)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.logged_metrics: dict[str, torch.Tensor] = {}
+
+    def log_metrics(self, metrics: Any, step: int) -> None:
+        for name, value in metrics.items():
+            if name != "epoch":  # added to each row for the loggers, as in Lightning
+                self.logged_metrics[name] = (
+                    value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+                )
+        super().log_metrics(metrics, step)
+
+
+class BatchCounts:
+    """An observer that writes down how many batches each evaluation runs per dataloader
+    (``Trainer.num_val_batches`` / ``num_test_batches`` / ``num_predict_batches`` and the
+    sanity check's), from the ``num_batches`` of its start event."""
+
+    events = frozenset({"on_validation_start", "on_test_start", "on_predict_start"})
+
+    def __init__(self, counts: dict[str, list[Any]]) -> None:
+        self.counts = counts
+
+    def on_event(self, event: str, ctx: Any) -> None:
+        key = Stage.SANITY_CHECK if ctx.stage == Stage.SANITY_CHECK else event[3 : -len("_start")]
+        self.counts[key] = list(ctx.num_batches or [])
+
+
+#: The ``BatchCounts`` entries each entry point counts anew.
+_COUNTED_BY = {
+    "fit": ("validation", Stage.SANITY_CHECK),
+    "validate": ("validation",),
+    "test": ("test",),
+    "predict": ("predict",),
+}
+
+
 def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | None) -> Driver:
     """A new driver for a run of ``fn``, remembered as the trainer's current one."""
     messages: list[str] = []
     checkpointing = trainer.checkpointing
-    driver = Driver(
+    counts = trainer._num_batches
+    for key in _COUNTED_BY.get(fn, ()):
+        counts[key] = []  # this run counts them anew
+    bar = trainer.progress_bar_callback
+    driver = TrainerDriver(
         fn=fn,
         callbacks=run_callbacks(trainer, task, fn, messages),
         loggers=trainer.loggers,
-        observers=[ProgressBar()] if trainer.enable_progress_bar else [],
+        observers=[*([bar] if bar is not None else []), BatchCounts(counts)],
         config=trainer.config,
         strategy=trainer.strategy,
         log_dir=shared_log_dir(trainer),

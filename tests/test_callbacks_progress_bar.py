@@ -180,3 +180,137 @@ def test_teardown_and_exception_close_the_bars():
 def test_bad_refresh_rate():
     with pytest.raises(ValueError, match="refresh_rate"):
         ProgressBar(refresh_rate=-1)
+
+
+def test_an_explicit_refresh_rate_redraws_exactly_every_n_batches():
+    """Lightning's rule with no time throttle: an explicit rate is not limited by
+    min_interval, the default bar (refresh_rate=1) is."""
+    assert ProgressBar(refresh_rate=4).min_interval == 0
+    assert ProgressBar().min_interval == pytest.approx(0.1)
+
+
+# --------------------------------------------------------------------------- in the Trainer
+
+
+class _Counting(ProgressBar):
+    """Records every redraw of a bar: (its title, the batches it shows)."""
+
+    def __init__(self, **kw):
+        super().__init__(file=io.StringIO(), **kw)
+        self.moves = []
+
+    def _move(self, bar, n):
+        self.moves.append((bar.desc, n))
+        super()._move(bar, n)
+
+
+def _fit_with(callbacks, *, epochs=1, **flags):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from purestep.loops import Trainer
+    from tests.helpers import loss_fn, mlp
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g))
+    flags.setdefault("num_sanity_val_steps", 0)
+    trainer = Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **flags,
+    )
+    train, val = DataLoader(data, batch_size=4), DataLoader(data, batch_size=8)
+    trainer.fit(mlp(), loss_fn, optim.sgd(0.1), train, val)
+    return trainer, (train, val)
+
+
+@pytest.mark.parametrize(("rate", "train", "val"), [(1, 8, 4), (3, 3, 2), (8, 1, 1)])
+def test_refresh_rate_in_callbacks_sets_how_often_the_bar_updates(rate, train, val):
+    bar = _Counting(refresh_rate=rate, min_interval=0)
+    trainer, _ = _fit_with([bar])
+    assert trainer.progress_bar_callback is bar and bar not in trainer.callbacks
+    shown = [n for title, n in bar.moves if title == "Epoch 0"]
+    validated = [n for title, n in bar.moves if title == "Validation"]
+    assert len(shown) == train and len(validated) == val
+    assert shown[-1] == 8 and validated[-1] == 4  # the last batch is always drawn
+    assert all(n % rate == 0 or n == 8 for n in shown)
+    assert "Epoch 0" in bar.file.getvalue()
+
+
+def test_the_default_bar_and_a_disabled_one():
+    from purestep.loops import Trainer
+
+    assert isinstance(Trainer(logger=False).progress_bar_callback, ProgressBar)
+    assert Trainer(logger=False, enable_progress_bar=False).progress_bar_callback is None
+    quiet = _Counting(refresh_rate=0)
+    _fit_with([quiet])
+    assert quiet.moves == [] and quiet.file.getvalue() == ""
+
+
+def test_bad_progress_bar_combinations():
+    from purestep.loops import Trainer
+    from purestep.loops.callbacks import RichProgressBar
+
+    with pytest.raises(ValueError, match=r"enable_progress_bar=False\) but a ProgressBar"):
+        Trainer(logger=False, enable_progress_bar=False, callbacks=[ProgressBar()])
+    with pytest.raises(ValueError, match=r"2 progress bars \(ProgressBar, RichProgressBar\)"):
+        Trainer(logger=False, callbacks=[ProgressBar(), RichProgressBar()])
+    with pytest.raises(TypeError, match="not a callback"):
+        Trainer(logger=False, callbacks=[object()])
+    with pytest.raises(ValueError, match="refresh_rate"):
+        RichProgressBar(refresh_rate=1.5)
+    with pytest.raises(ValueError, match="console or console_kwargs"):
+        RichProgressBar(console=object(), console_kwargs={"width": 80})
+
+
+# --------------------------------------------------------------------------- rich
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None)
+
+
+def test_rich_bar_renders_every_stage_through_the_trainer():
+    from purestep.loops.callbacks import RichProgressBar
+
+    bar = RichProgressBar(refresh_rate=4, console=_console())
+    trainer, (train, val) = _fit_with([bar], epochs=2, num_sanity_val_steps=1)
+    trainer.validate(dataloaders=val, verbose=False)
+    trainer.test(dataloaders=val, verbose=False)
+    trainer.predict(dataloaders=[val, train])
+    text = bar.console.file.getvalue()
+    for title in ("Sanity Checking", "Epoch 0", "Epoch 1", "Validation", "Testing"):
+        assert title in text, title
+    assert "Predicting DataLoader 0" in text and "Predicting DataLoader 1" in text
+    assert "4/8" in text and "8/8" in text and "3/8" not in text  # every 4th batch, and the last
+    assert "train_loss" in text  # the progress-bar metrics beside the training task
+    assert bar.progress is None  # each run's live display is stopped at its end
+
+
+def test_rich_bar_by_events_leave_ranks_and_teardown():
+    from purestep.loops.callbacks import RichProgressBar
+
+    kept = RichProgressBar(leave=True, console=_console())
+    train_epoch(kept, 0, 2, {"loss": torch.tensor(0.25)})
+    train_epoch(kept, 1, 2)
+    assert len(kept.progress.tasks) == 2  # one task per epoch stays
+    assert "loss: 0.25" in kept.console.file.getvalue()
+    kept.on_event("on_exception", _ctx())
+    assert kept.progress is None
+    other = RichProgressBar(console=_console())
+    train_epoch(other, 0, 3, rank=1)
+    assert other.progress is None and other.console.file.getvalue() == ""
+
+
+def test_rich_bar_without_rich_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from purestep.loops.callbacks import RichProgressBar
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+    with pytest.raises(ModuleNotFoundError, match=r"purestep\[rich\]"):
+        RichProgressBar()

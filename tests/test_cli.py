@@ -272,6 +272,9 @@ def test_trainer_callbacks_and_logger_take_class_paths(tmp_path):
               init_args:
                 monitor: val_loss
                 patience: 1
+            - class_path: purestep.loops.callbacks.ProgressBar
+              init_args:
+                refresh_rate: 5
           logger:
             class_path: purestep.loops.loggers.CSVLogger
             init_args:
@@ -281,6 +284,7 @@ def test_trainer_callbacks_and_logger_take_class_paths(tmp_path):
     built = cli(Regression, Data, args=["--config", config], run=False)
     stopping = [cb for cb in built.trainer.callbacks if isinstance(cb, EarlyStopping)]
     assert len(stopping) == 1 and type(built.trainer.logger).__name__ == "CSVLogger"
+    assert built.trainer.progress_bar_callback.refresh_rate == 5  # an observer, not a callback
     assert built.trainer.log_dir.startswith(str(tmp_path / "csv"))
 
 

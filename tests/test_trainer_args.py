@@ -164,7 +164,6 @@ LIGHTNING_HINTS = {
     "sync_batchnorm": "hardware.ddp(sync_batchnorm=True)",
     "distributed_backend": 'strategy="ddp"',
     "truncated_bptt_steps": "not available yet",
-    "prepare_data_per_node": "not available yet",
     "stochastic_weight_avg": "not available yet",
     "auto_lr_find": "not available yet",
     "auto_scale_batch_size": "not available yet",
