@@ -7,6 +7,7 @@ import hashlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from purestep.engine import tree
 
@@ -35,6 +36,19 @@ def loss_fn(apply, batch):
     x, y = batch
     logits = apply(x)
     return F.cross_entropy(logits, y), {"acc": (logits.argmax(-1) == y).float().mean()}
+
+
+def sign_data(n: int = 32, seed: int = 0) -> TensorDataset:
+    """``n`` samples of 8 features labelled by the sign of the first: a task the Trainer
+    tests learn in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def sign_loss(apply, batch):
+    x, y = batch
+    return F.cross_entropy(apply(x), y)
 
 
 def clone_tree(t):

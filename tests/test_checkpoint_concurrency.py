@@ -20,8 +20,7 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from purestep.engine import checkpoint as ck
 from purestep.engine import optim, tree
@@ -29,21 +28,12 @@ from purestep.engine.checkpoint import storage
 from purestep.loops import Trainer
 from purestep.loops.callbacks import ModelCheckpoint
 from tests.helpers import mlp
+from tests.helpers import sign_data as _data
+from tests.helpers import sign_loss as _loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_PROC = os.path.exists("/proc/self/stat") and os.name != "nt"
 needs_proc = pytest.mark.skipif(not HAS_PROC, reason="writer liveness needs /proc")
-
-
-def _data(n=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
-
-
-def _loss(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
 
 
 def _predict(apply, batch):

@@ -12,9 +12,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import purestep
 from purestep import engine
@@ -25,17 +24,8 @@ from purestep.loops import DataModule, Task, Trainer
 from purestep.loops.callbacks import Callback, ModelCheckpoint
 from purestep.loops.events import NOTHING
 from tests.helpers import mlp
-
-
-def _data(n=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
-
-
-def _loss(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
+from tests.helpers import sign_data as _data
+from tests.helpers import sign_loss as _loss
 
 
 class Classifier(Task):

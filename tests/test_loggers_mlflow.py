@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
@@ -27,6 +27,8 @@ from purestep.loops import Trainer
 from purestep.loops.callbacks import ModelCheckpoint
 from purestep.loops.loggers import CSVLogger, MLFlowLogger
 from tests.helpers import mlp
+from tests.helpers import sign_data as _data
+from tests.helpers import sign_loss as _loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,17 +151,6 @@ def test_restore_after_logging_is_an_error(tmp_path):
 
 
 # --------------------------------------------------------------------------- through the Trainer
-
-
-def _data(n=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
-
-
-def _loss(apply, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(apply(x), y)
 
 
 def _fit(root, loggers, ckpt_path=None, callbacks=None, **flags):

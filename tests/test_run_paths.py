@@ -12,9 +12,7 @@ import os
 import shutil
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from purestep.engine import Strategy, checkpoint, optim
 from purestep.loops import Trainer
@@ -22,20 +20,15 @@ from purestep.loops.callbacks import ModelCheckpoint
 from purestep.loops.loggers import CSVLogger, TensorBoardLogger
 from purestep.loops.loggers.folders import RunFolder, check_version
 from purestep.loops.resume import Checkpointing
-from tests.helpers import mlp
-
-KEY = "ModelCheckpoint"
+from tests.helpers import mlp, sign_data
+from tests.helpers import sign_loss as _loss
 
 
 def _data(n=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
+    return sign_data(n, seed)
 
 
-def _loss(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
+KEY = "ModelCheckpoint"
 
 
 def _fit(root, cb, *, max_epochs, said=None, **kwargs):

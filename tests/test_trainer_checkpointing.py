@@ -7,8 +7,7 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from purestep import engine
 from purestep.engine import checkpoint, optim, tree
@@ -17,17 +16,8 @@ from purestep.loops.callbacks import ModelCheckpoint
 from purestep.loops.loggers import CSVLogger
 from purestep.loops.resume import Checkpointing
 from tests.helpers import mlp
-
-
-def _data(n=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
-
-
-def _loss(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
+from tests.helpers import sign_data as _data
+from tests.helpers import sign_loss as _loss
 
 
 def _trainer(root, **flags):
