@@ -221,3 +221,24 @@ def test_a_trainer_fit_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_one
     assert resumed.progress.step == whole.progress.step == 12
     for field in ("params", "buffers", "opt_state"):
         tree.assert_trees_equal(getattr(resumed, field), getattr(whole, field))
+
+
+def test_a_tensor_dataset_is_read_unscoped_and_a_subclass_that_augments_is_not():
+    """``TensorDataset`` draws nothing, so it skips the per-sample seeding (the Trainer's
+    data path costs nothing extra over it); a subclass may augment, so it is scoped."""
+    from torch.utils.data import TensorDataset
+
+    x = torch.arange(12.0).reshape(6, 2)
+
+    class Noisy(TensorDataset):
+        def __getitem__(self, i):
+            (row,) = super().__getitem__(i)
+            return row + torch.rand(2)
+
+    for plain in (TensorDataset(x), Subset(TensorDataset(x), [0, 2, 4])):
+        assert source(plain, batch_size=2, seed=0)._scoped is False
+    noisy = source(Noisy(x), batch_size=2, seed=0)
+    assert noisy._scoped is True
+    first = torch.cat(list(noisy.iterate(0)))
+    torch.rand(5)  # the caller's stream moves; the samples' draws do not
+    assert torch.equal(first, torch.cat(list(noisy.iterate(0))))

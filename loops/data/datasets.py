@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Sampler
 from .batches import IndexedBatches, check_position
 from .keyed import KeyedDataset, SampleKey
 from .options import Options
-from .sample_rng import ScopedDataset
+from .sample_rng import ScopedDataset, draws_nothing
 from .workers import WorkerSeeder, build_loader
 
 __all__ = ["DatasetBatches", "PlanSampler"]
@@ -59,7 +59,9 @@ class DatasetBatches(IndexedBatches):
         self._sampler = PlanSampler()
         self._seeder = WorkerSeeder(options.seed, options.worker_init_fn)
         self._scoped = (
-            options.scope_sample_rng and getattr(dataset, "scope_sample_rng", True) is not False
+            options.scope_sample_rng
+            and getattr(dataset, "scope_sample_rng", True) is not False
+            and not draws_nothing(dataset)
         )
 
     @property

@@ -10,7 +10,8 @@ draws are a pure function of (seed, epoch, index).
 Scoped: torch's global CPU generator, Python's ``random`` module and numpy's global
 ``RandomState`` (only when numpy is imported; its legacy seeding takes 32 bits, so it is
 seeded from the key's upper half). Not scoped: CUDA generators, threads the dataset starts,
-generators the dataset owns (``np.random.default_rng()``, its own ``torch.Generator``).
+generators the dataset owns (``np.random.default_rng()``, its own ``torch.Generator``). A
+dataset known to draw nothing (``TensorDataset``, a ``Subset`` of one) is read unscoped.
 
 Cost: each sample pays for three seedings (about 7 us, most of it Python's ``random``). In
 the main process the caller's states are also saved once per batch and restored after it
@@ -30,13 +31,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Subset, get_worker_info
+from torch.utils.data import Dataset, Subset, TensorDataset, get_worker_info
 
 from purestep.engine import rng
 
 from .keyed import KeyedDataset, SampleKey
 
-__all__ = ["ScopedDataset", "reads_batches", "sample_rng_key", "scoped_streams"]
+__all__ = ["ScopedDataset", "draws_nothing", "reads_batches", "sample_rng_key", "scoped_streams"]
 
 _seed_python = _random.Random.seed  # the C seeding, without Random.seed's type checks
 _MASK32 = 0xFFFFFFFF
@@ -96,6 +97,15 @@ class scoped_streams:
 
     def __exit__(self, *exc: object) -> None:
         _restore(self._saved)
+
+
+def draws_nothing(dataset: Any) -> bool:
+    """Whether ``dataset[i]`` is known to draw no random numbers, so scoping would only cost
+    time: a ``TensorDataset`` (exactly that class: a subclass may augment), or a ``Subset``
+    of one."""
+    if type(dataset) is Subset:
+        return draws_nothing(dataset.dataset)
+    return type(dataset) is TensorDataset
 
 
 def reads_batches(dataset: Any) -> bool:
