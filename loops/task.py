@@ -20,8 +20,11 @@ checkpoint dict to mutate; here a hook *returns* plain data and the Trainer stor
 checkpoint's metadata (``"hooks"``), through the same safe codec as the rest: tensors,
 numbers, strings, ``None``, dicts/lists/tuples of them (``engine.checkpoint.check_plain``);
 anything else (a module, a function, an ``@struct`` object) is refused with an error naming
-the hook and the node, before the file is written. Saving runs on the primary process, once
-per file written:
+the hook and the node, before the file is written. Saving runs on the primary process
+(rank 0) only, once per file written (Lightning calls the save hooks on every rank and
+writes on rank 0): a save hook must not call collectives (an ``all_reduce``, an
+``all_gather``, a barrier), and if it fails on rank 0 the other ranks wait in the save's
+barrier until the collective timeout:
 
 - ``Task.on_save_checkpoint(self) -> data | None`` (None stores nothing);
   ``Task.on_load_checkpoint(self, data)`` gets it back when a run starts from the
@@ -165,7 +168,13 @@ class Task:
         """A task rebuilt from a checkpoint: ``cls(**hparams, **overrides)``, with the saved
         hyper-parameters the class's ``__init__`` takes (all of them if it takes
         ``**kwargs``; the whole dict as ``hparams=`` if it has an ``hparams`` argument that
-        the saved ones do not name), then ``on_load_checkpoint`` with the task's hook data,
+        the saved ones do not name, as for a subclass without its own ``__init__``,
+        ``M(hparams={...})``). When ``__init__`` takes ``hparams``, an override it does not
+        name is merged into that dict, over the saved value (``load_from_checkpoint(p,
+        lr=0.5)`` of ``M(hparams={"lr": 0.1})``); one it names goes as a keyword and also
+        replaces the saved entry of that name in the whole-dict ``hparams=`` (so a class
+        taking both ``lr`` and ``hparams`` sees one ``lr``); ``hparams=`` itself replaces
+        the saved dict. Then ``on_load_checkpoint`` with the task's hook data,
         then its ``.model`` set to the trained module: the template (``get_model()``) with
         the checkpoint's parameters and buffers (``engine.to_module``; keys and shapes must
         match, or a ``CheckpointError`` says what differs). ``task.state`` is the
@@ -181,7 +190,7 @@ class Task:
         if not isinstance(hparams, dict):
             raise ck.CheckpointError(f"{checkpoint_path}: its hparams are not a dict")
         ck.check_plain(hparams, "metadata['hparams']", url=checkpoint_path)
-        kwargs = {**_init_kwargs(cls, hparams), **overrides}
+        kwargs = _init_kwargs(cls, hparams, overrides)
         try:
             task = cls(**kwargs)
         except TypeError as err:
@@ -201,7 +210,12 @@ class Task:
     # ------------------------------------------------------------------ checkpoint hooks
 
     def on_save_checkpoint(self) -> Any:
-        """Plain data to add to every checkpoint (None: nothing); see the module doc."""
+        """Plain data to add to every checkpoint (None: nothing); see the module doc.
+
+        Called on rank 0 only, while the other ranks wait in a barrier: it must not call
+        collectives, and an error raised here leaves the other ranks waiting until the
+        collective timeout. With ``async_checkpoint`` the value is copied when the save is
+        queued, so changing it afterwards does not change the file."""
         return None
 
     def on_load_checkpoint(self, data: Any) -> None:
@@ -361,7 +375,8 @@ class DataModule:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data saved in checkpoints (an empty dict saves nothing), as in Lightning."""
+        """Plain data saved in checkpoints (an empty dict saves nothing), as in Lightning.
+        Called on rank 0 only (see ``Task.on_save_checkpoint``): no collectives here."""
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -498,17 +513,48 @@ def _init_arguments(obj: Any, frame: Any) -> dict[str, Any]:
     return merged
 
 
-def _init_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
-    """What of ``hparams`` ``cls(...)`` takes (see ``Task.load_from_checkpoint``)."""
+def _init_kwargs(
+    cls: type, hparams: dict[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments ``cls(...)`` gets from the saved ``hparams`` and the caller's
+    ``overrides`` (see ``Task.load_from_checkpoint``)."""
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(hparams)
+        return {**hparams, **overrides}
     named = {
         n
         for n, p in params.items()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
-    kwargs = {k: v for k, v in hparams.items() if k in named}
-    if "hparams" in named and "hparams" not in hparams:
-        kwargs["hparams"] = dict(hparams)
-    return kwargs
+    if "hparams" not in named:
+        return {**{k: v for k, v in hparams.items() if k in named}, **overrides}
+    # Task's own __init__ (a subclass without one) takes its hyper-parameters as the dict
+    # ``hparams=`` only: a saved key named like its ``model`` argument is a hyper-parameter.
+    own_init = cls.__init__ is Task.__init__
+    whole = own_init or "hparams" not in hparams  # the saved dict is what hparams= got
+    saved_keywords = {} if own_init else {k: v for k, v in hparams.items() if k in named}
+    keywords = {k: v for k, v in overrides.items() if k in named}
+    extra = {k: v for k, v in overrides.items() if k not in named}
+    if "hparams" in overrides:
+        target = overrides["hparams"]
+    elif whole:
+        target = dict(hparams)
+    else:
+        target = saved_keywords.get("hparams")
+    replaced = {}
+    if whole and isinstance(target, Mapping):  # a keyword override also replaces its entry
+        replaced = {k: v for k, v in keywords.items() if k in saved_keywords and k in target}
+    if extra or replaced:
+        if target is None:
+            target = {}
+        if not isinstance(target, Mapping):
+            raise TypeError(
+                f"{cls.__name__}.load_from_checkpoint: {cls.__name__}.__init__ does not take "
+                f"{sorted(extra)}, and its hparams ({type(target).__name__}) is not a dict to "
+                "merge them into"
+            )
+        target = {**target, **replaced, **extra}
+    out = {**saved_keywords, **keywords}
+    if whole or "hparams" in out or extra:
+        out["hparams"] = target
+    return out

@@ -3,6 +3,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import zipfile
@@ -216,6 +217,42 @@ def test_async_save_errors_surface_on_wait():
     saver.save({"bad": object()}, "memory://ckpt-tests/bad.ckpt")
     with pytest.raises(ck.CheckpointError, match="not a tensor"):
         saver.wait()
+    saver.close()
+
+
+@pytest.mark.parametrize("copy", ["auto", "never"])
+def test_async_saves_snapshot_the_metadata_when_save_returns(tmp_path, monkeypatch, copy):
+    """The metadata is the caller's live objects: changing them after ``save`` returned
+    (lists, dicts, a tensor in place) must not reach the file, whatever ``copy`` says."""
+    from purestep.engine.checkpoint import background
+
+    released = threading.Semaphore(0)
+    serialize = background.serialize
+
+    def held(*args, **kwargs):  # the write starts only once the caller has moved on
+        released.acquire(timeout=10)
+        return serialize(*args, **kwargs)
+
+    monkeypatch.setattr(background, "serialize", held)
+    state = {"w": torch.arange(3.0)}
+    meta = {"live": [1], "t": torch.zeros(2), "nested": {"d": {}}, "pair": (1, [2])}
+    saver = ck.AsyncCheckpointer(copy=copy)
+    saver.save(state, str(tmp_path / "a.ckpt"), metadata=meta)
+    meta["live"].append(2)
+    meta["t"].add_(5)
+    meta["nested"]["d"]["x"] = 1
+    meta["pair"][1].append(3)
+    meta["new"] = 1
+    released.release()
+    saver.wait()
+    _, got = ck.load(str(tmp_path / "a.ckpt"))
+    got.pop("versions")
+    assert torch.equal(got.pop("t"), torch.zeros(2))
+    assert got == {"live": [1], "nested": {"d": {}}, "pair": (1, [2])}
+    # metadata the codec cannot write is refused by save itself, before anything is queued
+    with pytest.raises(ck.CheckpointError, match=r"metadata\['fn'\]"):
+        saver.save(state, str(tmp_path / "b.ckpt"), metadata={"fn": print})
+    assert not saver.in_flight and not (tmp_path / "b.ckpt").exists()
     saver.close()
 
 

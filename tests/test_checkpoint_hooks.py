@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 
 import pytest
 import torch
@@ -406,3 +407,145 @@ def test_load_module_gives_the_trained_module_of_a_checkpoint(tmp_path):
     checkpoint.save({"x": 1}, str(tmp_path / "other.ckpt"))
     with pytest.raises(checkpoint.CheckpointError, match="not a training state or weights"):
         checkpoint.load_module(str(tmp_path / "other.ckpt"), net)
+
+
+class Recording(Task):
+    """Returns live objects from its save hook: a list and a tensor it keeps changing."""
+
+    def __init__(self):
+        super().__init__(hparams={"lr": 0.05, "names": ["a"]})
+        self.calls: list = []
+        self.count = torch.zeros(1)
+
+    def configure_model(self):
+        torch.manual_seed(0)
+        return mlp()
+
+    def configure_optimizers(self):
+        return optim.sgd(self.hparams["lr"])
+
+    def training_step(self, apply, batch):
+        return _loss(apply, batch)
+
+    def on_save_checkpoint(self):
+        return {"calls": self.calls, "count": self.count}
+
+
+def test_async_checkpoints_hold_the_hook_data_of_their_save(tmp_path, monkeypatch):
+    """With ``async_checkpoint=True`` each file holds the hook data (and hparams) as they
+    were at its save, although the task changes them before the background write runs."""
+    from purestep.engine.checkpoint import background
+
+    released = threading.Semaphore(0)
+    serialize = background.serialize
+
+    def held(*args, **kwargs):  # each write waits until the task has changed its data
+        released.acquire(timeout=10)
+        return serialize(*args, **kwargs)
+
+    monkeypatch.setattr(background, "serialize", held)
+    task = Recording()
+    trainer = _trainer(
+        tmp_path,
+        max_steps=6,
+        async_checkpoint=True,
+        callbacks=[
+            ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_top_k=-1, every_n_train_steps=2)
+        ],
+    )
+    save = trainer.checkpointing.save
+
+    def then_change(state, path, driver):  # what the task does right after a save returns
+        save(state, path, driver)
+        task.calls.append(os.path.basename(path))
+        task.count.add_(1)  # in place
+        task.hparams["names"].append(os.path.basename(path))
+        released.release()
+
+    trainer.checkpointing.save = then_change
+    trainer.fit(task, train_dataloaders=DataLoader(_data(64), batch_size=8))
+    paths = sorted(glob.glob(str(tmp_path / "ck" / "*.ckpt")))
+    names = [os.path.basename(p) for p in paths]
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    for i, path in enumerate(paths):
+        _, meta = checkpoint.load(path)
+        assert meta["hooks"]["task"]["calls"] == names[:i]
+        assert torch.equal(meta["hooks"]["task"]["count"], torch.tensor([float(i)]))
+        assert meta["hparams"] == {"lr": 0.05, "names": ["a", *names[:i]]}
+
+
+def _weights_file(task, path, hparams):
+    """A weights-only checkpoint of ``task``'s model with ``hparams`` in its metadata."""
+    state = engine.init(task.get_model(), optim.sgd(0.1), seed=0)
+    weights = {"weights_only": True, "params": state.params, "buffers": state.buffers}
+    checkpoint.save(weights, path, metadata={"hparams": hparams})
+    return state
+
+
+def test_load_from_checkpoint_overrides_reach_a_task_without_an_init(tmp_path):
+    """The README's style, ``M(hparams={...})``: overrides merge into the saved dict."""
+
+    class M(Task):
+        def configure_model(self):
+            torch.manual_seed(0)
+            return nn.Linear(3, 1)
+
+    path = str(tmp_path / "m.ckpt")
+    saved = {"lr": 0.1, "model": "linear", "sizes": [3, 1]}
+    state = _weights_file(M(hparams=saved), path, saved)
+    assert M.load_from_checkpoint(path).hparams == saved
+    again = M.load_from_checkpoint(path, lr=0.5, extra=1)
+    assert again.hparams == {"lr": 0.5, "model": "linear", "sizes": [3, 1], "extra": 1}
+    tree.assert_trees_equal(dict(again.model.named_parameters()), state.params)
+    # hparams= replaces the saved dict; other overrides still merge into it
+    given = M.load_from_checkpoint(path, hparams={"lr": 0.3}, wd=0.0)
+    assert given.hparams == {"lr": 0.3, "wd": 0.0}
+    # a saved key named like Task.__init__'s ``model`` stays a hyper-parameter; a model
+    # override is the template, not an entry of the hparams
+    template = nn.Linear(3, 1)
+    with_model = M.load_from_checkpoint(path, model=template)
+    assert with_model.hparams == saved
+    assert isinstance(with_model.model, nn.Linear) and with_model.model is not template
+
+
+def test_load_from_checkpoint_overrides_with_both_keywords_and_hparams(tmp_path):
+    """A class naming ``lr`` and taking ``hparams``: an ``lr`` override is the keyword and
+    the dict's entry, so a dict that wins over the keyword cannot cancel it; unnamed
+    overrides merge into the dict."""
+
+    class Both(Task):
+        def __init__(self, lr=0.01, hparams=None):
+            super().__init__(hparams={"lr": lr, **(hparams or {})})  # the dict wins
+            self.lr = lr
+
+        def configure_model(self):
+            torch.manual_seed(0)
+            return nn.Linear(3, 1)
+
+    path = str(tmp_path / "both.ckpt")
+    original = Both(lr=0.1, hparams={"wd": 0.0})
+    _weights_file(original, path, original.hparams)
+    plain = Both.load_from_checkpoint(path)
+    assert plain.lr == 0.1 and plain.hparams == {"lr": 0.1, "wd": 0.0}
+    over = Both.load_from_checkpoint(path, lr=0.5, momentum=0.9)
+    assert over.lr == 0.5 and over.hparams == {"lr": 0.5, "wd": 0.0, "momentum": 0.9}
+
+    class Recorded(Task):  # save_hyperparameters() of an ``hparams`` argument: a nested dict
+        def __init__(self, width=2, hparams=None):
+            super().__init__()
+            self.save_hyperparameters()
+
+        def configure_model(self):
+            torch.manual_seed(0)
+            return nn.Linear(3, 1)
+
+    path = str(tmp_path / "recorded.ckpt")
+    rec = Recorded(width=3, hparams={"a": 1})
+    _weights_file(rec, path, rec.hparams)
+    again = Recorded.load_from_checkpoint(path, b=2, width=4)
+    assert again.hparams == {"width": 4, "hparams": {"a": 1, "b": 2}}
+    # with no dict to merge into, an unknown override is a clear error
+    bad = str(tmp_path / "bad.ckpt")
+    _weights_file(rec, bad, {"width": 3, "hparams": 7})
+    with pytest.raises(TypeError, match=r"does not take \['b'\].*not a dict to merge"):
+        Recorded.load_from_checkpoint(bad, b=2)

@@ -278,8 +278,10 @@ _PLAIN_LEAVES = (bool, int, float, str, torch.dtype, torch.device)
 def check_plain(value: Any, what: str, *, url: str | None = None) -> Any:
     """``value`` if it is plain data (see the module doc), else a ``CheckpointError``
     naming the offending node under ``what`` (and the file, for data read from ``url``).
-    Structs are refused although the codec could carry them: hook data never builds an
-    object, whatever a crafted file says."""
+    Structs are refused although the codec could carry them: decoding a file rebuilds
+    registered purestep ``@struct`` classes (and nothing else), so check_plain refuses
+    them afterwards, and hook data that reaches a hook is plain, whatever a crafted file
+    says."""
     _check_plain(value, what, 0, url)
     return value
 

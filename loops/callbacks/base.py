@@ -12,7 +12,9 @@ subclasses override the events they care about (the loops skip the rest cheaply)
 Two checkpoint hooks (Lightning's names) let a callback add data beside its state, which
 checkpoints hold anyway: ``on_save_checkpoint(state, ctx)`` returns plain data for the file
 (tensors, numbers, strings, containers; None adds nothing), called on the primary process
-for every full checkpoint written; ``on_load_checkpoint(state, data, ctx)`` gets it back when
+(rank 0) only for every full checkpoint written (Lightning calls it on every rank), so it
+must not call collectives, and an error in it on rank 0 leaves the other ranks waiting
+until the collective timeout; ``on_load_checkpoint(state, data, ctx)`` gets it back when
 ``fit`` resumes from that file and returns the callback's new state (no ``Requests``: a
 restore asks for no effects). Both stay pure.
 """
@@ -53,7 +55,11 @@ class Callback:
         return state, NOTHING
 
     def on_save_checkpoint(self, state: Any, ctx: Context) -> Any:
-        """Extra plain data for a full checkpoint being written (None: nothing)."""
+        """Extra plain data for a full checkpoint being written (None: nothing).
+
+        Called on rank 0 only, while the other ranks wait in a barrier (Lightning calls it
+        on every rank): it must not call collectives, and an error raised here leaves the
+        other ranks waiting until the collective timeout."""
         return None
 
     def on_load_checkpoint(self, state: Any, data: Any, ctx: Context) -> Any:
