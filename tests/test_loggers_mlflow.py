@@ -148,6 +148,88 @@ def test_restore_after_logging_is_an_error(tmp_path):
     logger.log_metrics({"a": 1.0}, 0)
     with pytest.raises(RuntimeError, match="before anything is logged"):
         logger.restore({"run_id": logger.run_id, "timestamp": 0})
+    with pytest.raises(ValueError, match="pending"):
+        MLFlowLogger(save_dir=tmp_path).restore(
+            {"run_id": logger.run_id, "timestamp": 0, "pending": {"a": [[1]]}}
+        )
+
+
+def test_restore_after_log_dir_drops_the_empty_run(uri, tmp_path):
+    first = MLFlowLogger(tracking_uri=uri)
+    first.log_metrics({"a": 1.0}, 0)
+    state = first.state()
+    first.finalize("success")
+    again = MLFlowLogger(tracking_uri=uri)
+    again.use_root_dir(tmp_path / "root")
+    base = again.save_dir or str(tmp_path / "root")  # a file: store's folder, else the root
+    assert again.root_dir == os.path.join(base, first.experiment_id)  # creates no run
+    empty = os.path.basename(again.log_dir)  # creates a run, nothing written to it
+    again.restore(state)
+    assert again.run_id == first.run_id
+    assert again.log_dir == os.path.join(base, first.experiment_id, first.run_id)
+    assert MlflowClient(tracking_uri=uri).get_run(empty).info.lifecycle_stage == "deleted"
+
+
+def _log(logger, steps, value=float, keys=("loss",)):
+    for step in steps:
+        logger.log_metrics({key: value(step) for key in keys}, step)
+
+
+def test_a_second_resume_doubles_nothing(uri):
+    """Run 1 logs 1..10 (checkpoint at 5) and dies; run 2 resumes, repeats 6..7, checkpoints
+    at 7 and dies; run 3 resumes from 7: 8..10 of run 1 are still pending, not doubled."""
+    one = MLFlowLogger(tracking_uri=uri)
+    _log(one, range(1, 6), keys=("loss", "val"))
+    at5 = one.state()
+    _log(one, range(6, 11), keys=("loss", "val"))
+    two = MLFlowLogger(tracking_uri=uri)
+    two.restore(at5)
+    _log(two, range(6, 8), keys=("loss", "val"))
+    two.log_metrics({"new": 1.0}, 7)  # a point only the resumed run logs, before its checkpoint
+    at7 = two.state()
+    assert set(at7["pending"]) == {"loss", "val"}
+    _log(two, range(8, 9), keys=("loss", "val"))  # killed again after step 8
+    two.log_metrics({"new": 2.0}, 8)
+    three = MLFlowLogger(tracking_uri=uri)
+    three.restore(at7)
+    _log(three, range(8, 10), keys=("loss", "val"))
+    at9 = three.state()  # a third kill: the pending points of two earlier runs
+    four = MLFlowLogger(tracking_uri=uri)
+    four.restore(at9)
+    _log(four, range(10, 12), keys=("loss", "val"))
+    four.log_metrics({"new": 3.0}, 11)
+    with pytest.warns(UserWarning) as caught:
+        four.finalize("success")
+    (message,) = [str(w.message) for w in caught if "MLflow run" in str(w.message)]
+    assert "0 metric point(s) doubled" in message
+    assert "1 point(s) kept from the interrupted run" in message  # run 2's "new" at 8
+    client = MlflowClient(tracking_uri=uri)
+    for key in ("loss", "val"):
+        assert sorted(history(client, one.run_id, key)) == [(s, float(s)) for s in range(1, 12)]
+    # run 2's point at step 8 was logged after its checkpoint and never repeated: it stays
+    assert sorted(history(client, one.run_id, "new")) == [(7, 1.0), (8, 2.0), (11, 3.0)]
+
+
+def test_non_deterministic_metric_is_logged_again_and_counted(uri):
+    one = MLFlowLogger(tracking_uri=uri)
+    _log(one, range(1, 6), keys=("loss", "val"))
+    at5 = one.state()
+    _log(one, range(6, 11), keys=("loss", "val"))
+    two = MLFlowLogger(tracking_uri=uri)
+    two.restore(at5)
+    for step in range(6, 9):  # killed at 10; the resumed run stops at 8
+        two.log_metrics({"loss": step + 0.001, "val": float(step)}, step)
+    with pytest.warns(UserWarning) as caught:
+        two.finalize("success")
+    (message,) = [str(w.message) for w in caught if "MLflow run" in str(w.message)]
+    assert "3 metric point(s) doubled" in message  # loss at 6, 7, 8
+    assert "4 point(s) kept from the interrupted run" in message  # loss and val at 9, 10
+    client = MlflowClient(tracking_uri=uri)
+    loss = sorted(history(client, one.run_id, "loss"))
+    assert loss == sorted(
+        [(s, float(s)) for s in range(1, 11)] + [(s, s + 0.001) for s in range(6, 9)]
+    )
+    assert sorted(history(client, one.run_id, "val")) == [(s, float(s)) for s in range(1, 11)]
 
 
 # --------------------------------------------------------------------------- through the Trainer
@@ -180,13 +262,15 @@ def test_trainer_logs_checkpoints_as_artifacts(tmp_path, log_model):
     root = str(tmp_path / "root")
     logger = MLFlowLogger(tracking_uri=uri, log_model=log_model)
     _fit(root, logger, max_epochs=3, callbacks=[ModelCheckpoint(save_top_k=-1)])
-    names = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    folder = os.path.join(root, logger.experiment_id, logger.run_id, "checkpoints")
+    assert logger.log_dir == os.path.dirname(folder)  # the run's own folder, as Lightning
+    names = sorted(os.listdir(folder))
     assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
     client = MlflowClient(tracking_uri=uri)
     listed = [a.path for a in client.list_artifacts(logger.run_id, "checkpoints")]
     assert listed == [f"checkpoints/{n}" for n in names]
     local = client.download_artifacts(logger.run_id, f"checkpoints/{names[-1]}", str(tmp_path))
-    with open(local, "rb") as a, open(os.path.join(root, "checkpoints", names[-1]), "rb") as b:
+    with open(local, "rb") as a, open(os.path.join(folder, names[-1]), "rb") as b:
         assert a.read() == b.read()
     run = client.get_run(logger.run_id)
     assert run.info.status == "FINISHED"
@@ -216,7 +300,7 @@ def test_trainer_resume_continues_the_run_with_the_uninterrupted_history(uri, tm
     part = MLFlowLogger(tracking_uri=uri, experiment_name="parts", run_name="r")
     root = str(tmp_path / "b")
     _fit(root, [part, CSVLogger(root)], max_steps=6, callbacks=[ModelCheckpoint(**every)])
-    ckpt = os.path.join(root, "checkpoints", checkpoint)
+    ckpt = os.path.join(part.log_dir, "checkpoints", checkpoint)
     again = MLFlowLogger(tracking_uri=uri, experiment_name="parts", run_name="r")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -239,6 +323,70 @@ def test_trainer_resume_continues_the_run_with_the_uninterrupted_history(uri, tm
     steps = [s for s, _ in expected["train_loss"]]
     assert steps == sorted(set(steps))
     assert client.get_run(part.run_id).info.status == "FINISHED"
+
+
+def test_trainer_second_resume_has_the_uninterrupted_history(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def every(folder):
+        return [
+            ModelCheckpoint(dirpath=str(tmp_path / folder), save_top_k=-1, every_n_train_steps=1)
+        ]
+
+    whole = MLFlowLogger(tracking_uri=uri, experiment_name="whole")
+    _fit(str(tmp_path / "w"), whole, max_steps=10)
+    root = str(tmp_path / "r")
+    first = MLFlowLogger(tracking_uri=uri, experiment_name="parts")
+    _fit(root, first, max_steps=10, callbacks=every("a"))  # "killed" after step 10
+    second = MLFlowLogger(tracking_uri=uri, experiment_name="parts")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # it stops at 7: 8..10 left over
+        _fit(
+            root,
+            second,
+            max_steps=7,
+            callbacks=every("b"),
+            ckpt_path=str(tmp_path / "a" / "epoch=1-step=5.ckpt"),
+        )
+    third = MLFlowLogger(tracking_uri=uri, experiment_name="parts")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(
+            root,
+            third,
+            max_steps=10,
+            callbacks=every("c"),
+            ckpt_path=str(tmp_path / "b" / "epoch=1-step=7.ckpt"),
+        )
+    assert not [w for w in caught if "MLflow run" in str(w.message)]
+    assert first.run_id == second.run_id == third.run_id
+    client = MlflowClient(tracking_uri=uri)
+    expected = all_histories(client, whole.run_id)
+    assert all_histories(client, first.run_id) == expected
+    assert len(expected["train_loss"]) == 10
+
+
+def test_trainer_runs_get_their_own_folders_and_last_resumes_the_newest(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = str(tmp_path / "root")
+    one = MLFlowLogger(tracking_uri=uri)
+    _fit(root, one, max_steps=3)
+    two = MLFlowLogger(tracking_uri=uri)
+    _fit(root, two, max_steps=2)  # a fresh run does not resume the first one
+    assert one.run_id != two.run_id
+    folders = [os.path.join(root, lg.experiment_id, lg.run_id, "checkpoints") for lg in (one, two)]
+    assert os.listdir(folders[0]) == ["epoch=0-step=3.ckpt"]
+    assert os.listdir(folders[1]) == ["epoch=0-step=2.ckpt"]
+    assert not os.path.exists(os.path.join(root, "checkpoints"))
+    three = MLFlowLogger(tracking_uri=uri)
+    trainer = _fit(root, three, max_steps=4, ckpt_path="last")
+    assert three.run_id == two.run_id  # the newest run folder's checkpoint, and its run
+    assert trainer.log_dir == os.path.dirname(folders[1])
+    assert any(n.endswith("step=4.ckpt") for n in os.listdir(folders[1]))
+    client = MlflowClient(tracking_uri=uri)
+    assert [s for s, _ in history(client, two.run_id, "train_loss")] == [0, 1, 2, 3]
+    experiment = client.get_experiment_by_name("lightning_logs").experiment_id
+    assert len(client.search_runs([experiment])) == 2  # no third run
 
 
 def test_missing_extra_names_the_install(monkeypatch, tmp_path):

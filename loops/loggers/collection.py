@@ -154,9 +154,11 @@ def create_loggers(logger_flag: Any, default_root_dir: str | os.PathLike[str]) -
 
 
 def _tell_checkpoint_dir(loggers: Sequence[Logger], default_root_dir: Any) -> None:
-    """Tell loggers that upload checkpoints (``MLFlowLogger(log_model=...)``) where the
-    Trainer's default ``ModelCheckpoint`` writes: ``<first logger's log_dir, else
-    default_root_dir>/checkpoints``, asked when they upload."""
+    """Tell loggers the Trainer's ``default_root_dir`` (``use_root_dir``: MLFlowLogger's run
+    folders without a local store) and loggers that upload checkpoints
+    (``MLFlowLogger(log_model=...)``) where the Trainer's default ``ModelCheckpoint``
+    writes: ``<first logger's log_dir, else default_root_dir>/checkpoints``, asked when
+    they upload."""
     first = loggers[0] if loggers else None
 
     def folder() -> str:
@@ -164,6 +166,9 @@ def _tell_checkpoint_dir(loggers: Sequence[Logger], default_root_dir: Any) -> No
         return (root or os.fspath(default_root_dir)).rstrip("/") + "/checkpoints"
 
     for logger in loggers:
+        hook = getattr(logger, "use_root_dir", None)  # MLFlowLogger's run folders
+        if callable(hook):
+            hook(default_root_dir)
         hook = getattr(logger, "use_checkpoint_dir", None)
         if callable(hook):
             hook(folder)

@@ -20,21 +20,34 @@ a checkpoint is taken (a file is uploaded once it is on disk: at the next checkp
 ``checkpoint_path_prefix``). Through the Trainer, ``checkpoint_dir`` defaults to the folder
 its default ``ModelCheckpoint`` writes to; only files written since the run started count.
 
-Resuming: ``state()`` holds the run id and the timestamp of the last point logged; a resumed
-run continues the same MLflow run (set ``RUNNING`` again). MLflow's metric history cannot be
-edited (the client has no call to delete a point), so nothing is deleted; instead every
-point this logger writes gets a strictly increasing timestamp, and ``restore`` reads back
-the points with a later timestamp than the checkpoint's, i.e. those the killed run logged
-after its checkpoint. When the resumed run logs the same point again (same metric, step and
-value: a resumed run repeats its computation exactly) it is not written a second time, so
-the history is the uninterrupted run's, with no point doubled or lost. A point the resumed
-run does not repeat stays in the history; ``finalize`` warns about how many.
-``truncate_after(step)`` does the same for the points at steps after ``step``.
+Run folder: as Lightning, ``log_dir`` is ``<save_dir or the Trainer's default_root_dir>/
+<experiment_id>/<run_id>`` (``root_dir`` the experiment's folder), so as the first logger the
+Trainer's default checkpoints go to ``log_dir/checkpoints``: each run its own folder, and
+``ckpt_path="last"`` looks through the experiment's run folders (the newest wins) and
+continues that run. Asking for ``log_dir`` creates the run.
+
+Resuming: ``state()`` holds the run id, the timestamp of the last point logged and the
+points of an earlier interrupted run still waiting to be repeated; a resumed run continues
+the same MLflow run (set ``RUNNING`` again). MLflow's metric history cannot be edited (the
+client has no call to delete a point), so nothing is deleted; instead every point this
+logger writes gets a strictly increasing timestamp, and ``restore`` reads back the points
+the killed run logged after its checkpoint (a later timestamp than the checkpoint's, plus
+those still pending from before, so a run killed again after a resume loses or doubles
+nothing either). Pending points are matched by metric and step: when the resumed run logs
+a point the killed run logged with the same value (a deterministic metric: a resumed run
+repeats its computation exactly) it is not written a second time, so the history is the
+uninterrupted run's, with no point doubled or lost. When the value differs (a
+non-deterministic metric) the new value is logged too (the history stays append-only and
+honest: both values are there at that step). A point the resumed run never repeats stays
+in the history. ``finalize`` warns once with both counts: points doubled with a different
+value and points kept from the interrupted run. ``truncate_after(step)`` treats the points
+at steps after ``step`` the same way.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import math
 import os
@@ -139,10 +152,17 @@ class MLFlowLogger(Logger):
         self._experiment_id: str | None = None
         self._run_id = run_id
         self._resumed = run_id is not None  # continuing an existing run
+        self._adopted = False  # the existing run was marked running and its points read
+        self._written = False  # anything logged to the run by this logger
+        self._default_root_dir: str | None = None  # the Trainer's, for log_dir (use_root_dir)
         self._last_ts = 0  # timestamp (ms) of the last point written; strictly increasing
-        self._after: tuple[str, int] | None = None  # ("timestamp" | "step", bound) to reread
-        self._extra: dict[str, collections.deque] = {}  # points logged after the checkpoint
-        self._stale = 0  # of those, points the resumed run did not log again
+        # the points to read back on adopting the run: a Select (see _read_extra)
+        self._after: Callable[[str, Any], bool] | None = None
+        # points logged after the checkpoint, per metric: (step, value, timestamp, index in
+        # the metric's history ordered by timestamp), in the order they were logged
+        self._extra: dict[str, collections.deque] = {}
+        self._kept = 0  # of those, points the resumed run did not log again
+        self._doubled = 0  # points logged again with a different value
         self._uploaded: dict[str, tuple[int, int]] = {}  # checkpoint -> (size, mtime_ns)
         self._start_ms: int | None = None
 
@@ -158,8 +178,17 @@ class MLFlowLogger(Logger):
             self._client = MlflowClient(tracking_uri=self._tracking_uri)
         if self._run_id is None:
             self._create_run()
-        elif self._experiment_id is None:
+        elif not self._adopted:
             self._continue_run()
+        return self._client
+
+    def _store(self) -> Any:
+        """The ``MlflowClient``, without creating or adopting a run."""
+        if self._client is None:
+            import_mlflow()
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self._tracking_uri)
         return self._client
 
     def _create_run(self) -> None:
@@ -171,6 +200,7 @@ class MLFlowLogger(Logger):
             )
         else:
             self._experiment_id = found.experiment_id
+        self._adopted = True
         tags = {str(k): str(v) for k, v in self._tags.items()}
         try:
             from mlflow.tracking.context.registry import resolve_tags
@@ -188,25 +218,46 @@ class MLFlowLogger(Logger):
         run = client.get_run(self._run_id)
         self._experiment_id = run.info.experiment_id
         self._start_ms = run.info.start_time
+        self._adopted = True
         if run.info.status != "RUNNING":
             client.update_run(self._run_id, status="RUNNING")
         if self._after is not None:
-            self._read_extra(*self._after)
+            self._read_extra(self._after)
             self._after = None
 
-    def _read_extra(self, by: str, bound: int) -> None:
-        """Keep, per metric, the stored points past ``bound`` (by timestamp or by step), in
-        the order they were logged; remember the latest timestamp stored."""
+    def _read_extra(self, select: Callable[[str, Any], bool]) -> None:
+        """Keep, per metric, the stored points ``select(key, point)`` picks, in the order
+        they were logged; remember the latest timestamp stored."""
         client = self._client
         self._extra = {}
         for key in client.get_run(self._run_id).data.metrics:
-            points = client.get_metric_history(self._run_id, key)
+            points = sorted(
+                client.get_metric_history(self._run_id, key), key=lambda p: (p.timestamp, p.step)
+            )
             if points:
-                self._last_ts = max(self._last_ts, max(p.timestamp for p in points))
-            later = [p for p in points if (p.timestamp if by == "timestamp" else p.step) > bound]
+                self._last_ts = max(self._last_ts, points[-1].timestamp)
+            later = [
+                (p.step, p.value, p.timestamp, i) for i, p in enumerate(points) if select(key, p)
+            ]
             if later:
-                later.sort(key=lambda p: (p.timestamp, p.step))
-                self._extra[key] = collections.deque((p.step, p.value) for p in later)
+                self._extra[key] = collections.deque(later)
+
+    def _pending(self) -> dict[str, list[list[int]]]:
+        """The points still waiting to be repeated, per metric, as timestamp ranges
+        ``[after, upto]`` (exclusive, inclusive) of consecutive points of its history."""
+        pending: dict[str, list[list[int]]] = {}
+        for key, queue in self._extra.items():
+            ranges: list[list[int]] = []
+            previous = None
+            for _, _, timestamp, index in queue:
+                if previous is not None and index == previous + 1:
+                    ranges[-1][1] = timestamp
+                else:
+                    ranges.append([timestamp - 1, timestamp])
+                previous = index
+            if ranges:
+                pending[key] = ranges
+        return pending
 
     @property
     def run_id(self) -> str:
@@ -236,6 +287,44 @@ class MLFlowLogger(Logger):
     def tracking_uri(self) -> str:
         return self._tracking_uri
 
+    def use_root_dir(self, folder: str | os.PathLike[str]) -> None:
+        """The Trainer's ``default_root_dir``: where the run folders go when the store is not
+        a local ``file:`` one (``create_loggers`` tells it)."""
+        self._default_root_dir = os.fspath(folder)
+
+    def _base_dir(self) -> str | None:
+        return self.save_dir or self._default_root_dir
+
+    @property
+    def root_dir(self) -> str | None:
+        """``<save_dir or default_root_dir>/<experiment_id>``: the run folders of the
+        experiment (``None`` without a folder, or before the experiment exists). Creates
+        no run."""
+        base = self._base_dir()
+        if base is None:
+            return None
+        experiment_id = self._experiment_id if self._adopted else None
+        if experiment_id is None:
+            client = self._store()
+            if self._run_id is not None:
+                experiment_id = client.get_run(self._run_id).info.experiment_id
+            else:
+                found = client.get_experiment_by_name(self._experiment_name)
+                if found is None:
+                    return None
+                experiment_id = found.experiment_id
+        return os.path.join(base, str(experiment_id))
+
+    @property
+    def log_dir(self) -> str | None:
+        """``<save_dir or default_root_dir>/<experiment_id>/<run_id>`` (creating the run), or
+        ``None`` without a folder; the Trainer's default checkpoints go to ``checkpoints/``
+        under it when this is the first logger."""
+        base = self._base_dir()
+        if base is None:
+            return None
+        return os.path.join(base, str(self.experiment_id), str(self.run_id))
+
     # ------------------------------------------------------------------ logging
 
     def _timestamp(self) -> int:
@@ -243,16 +332,19 @@ class MLFlowLogger(Logger):
         return self._last_ts
 
     def _logged_before(self, key: str, step: int, value: float) -> bool:
-        """Whether ``(step, value)`` of ``key`` is already stored from before a resume."""
+        """Whether the point of ``key`` at ``step`` is already stored, with this value, from
+        before a resume (matched by step; a different value is logged and counted)."""
         queue = self._extra.get(key)
         if not queue:
             return False
         while queue and queue[0][0] < step:  # logged after the checkpoint, not repeated
             queue.popleft()
-            self._stale += 1
-        if queue and queue[0][0] == step and _same(queue[0][1], float(value)):
-            queue.popleft()
-            return True
+            self._kept += 1
+        if queue and queue[0][0] == step:
+            stored = queue.popleft()[1]
+            if _same(stored, float(value)):
+                return True
+            self._doubled += 1  # a non-deterministic metric: both values stay
         return False
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -269,6 +361,7 @@ class MLFlowLogger(Logger):
         ]
         for i in range(0, len(points), METRICS_PER_BATCH):
             client.log_batch(self._run_id, metrics=points[i : i + METRICS_PER_BATCH])
+            self._written = True
 
     def log_hyperparams(self, params: Any, metrics: Mapping[str, Any] | None = None) -> None:
         """Log ``params`` flattened (``opt/lr``) as string parameters; ``metrics`` at step 0."""
@@ -279,6 +372,7 @@ class MLFlowLogger(Logger):
         items = [Param(str(k), str(v)[:MAX_PARAM_VALUE]) for k, v in flat.items()]
         for i in range(0, len(items), PARAMS_PER_BATCH):
             client.log_batch(self._run_id, params=items[i : i + PARAMS_PER_BATCH])
+            self._written = True
         if metrics:
             self.log_metrics(metrics, 0)
 
@@ -333,31 +427,46 @@ class MLFlowLogger(Logger):
         client = self.experiment
         if self._log_model:
             self._upload_checkpoints()
-        if self._stale:
+        self._kept += sum(len(queue) for queue in self._extra.values())
+        self._extra = {}
+        if self._kept or self._doubled:
             warnings.warn(
-                f"{self._stale} metric point(s) that the interrupted run logged after its "
-                "checkpoint were not logged again by the resumed run; they stay in MLflow "
-                f"run {self._run_id} (MLflow cannot delete metric points)",
+                f"MLflow run {self._run_id} (MLflow cannot delete metric points): "
+                f"{self._doubled} metric point(s) doubled: logged again by the resumed run "
+                "at a step the interrupted run had logged, with a different value (a "
+                "non-deterministic metric; both values stay); "
+                f"{self._kept} point(s) kept from the interrupted run: logged after its "
+                "checkpoint and not logged again by the resumed run",
                 stacklevel=2,
             )
-            self._stale = 0
+            self._kept = self._doubled = 0
         client.set_terminated(self._run_id, status=STATUS[status])
 
     # ------------------------------------------------------------------ resuming
 
     def state(self) -> dict[str, Any]:
-        """``{"run_id", "timestamp"}``: the run and the timestamp of its last point."""
+        """``{"run_id", "timestamp", "pending"}``: the run, the timestamp of its last point
+        and, per metric, the timestamp ranges of the points an earlier interrupted run
+        logged that this run has not repeated yet (see ``_pending``)."""
         self.experiment  # noqa: B018 - the run must exist for a resume to continue it
         if self._log_model == "all":
             self._upload_checkpoints()
-        return {"run_id": self._run_id, "timestamp": self._last_ts}
+        state: dict[str, Any] = {"run_id": self._run_id, "timestamp": self._last_ts}
+        pending = self._pending()
+        if pending:
+            state["pending"] = pending
+        return state
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continue the run of ``state``; the points it logged after the checkpoint are
         not written again (see the module docstring)."""
         super().restore(state)
         if self._client is not None and self._run_id is not None and not self._resumed:
-            raise RuntimeError("MLFlowLogger.restore() must be called before anything is logged")
+            if self._written:
+                raise RuntimeError(
+                    "MLFlowLogger.restore() must be called before anything is logged"
+                )
+            self._drop_empty_run()
         run_id = state.get("run_id")
         if run_id is None:
             return
@@ -366,11 +475,29 @@ class MLFlowLogger(Logger):
         timestamp = state.get("timestamp", 0)
         if isinstance(timestamp, bool) or not isinstance(timestamp, int) or timestamp < 0:
             raise ValueError(f"logger state 'timestamp' must be an int >= 0, got {timestamp!r}")
+        pending = _check_pending(state.get("pending", {}))
         self._run_id = run_id
         self._resumed = True
-        self._experiment_id = None  # adopt the run on first use
+        self._adopted = False  # adopt the run on first use
+        self._experiment_id = None
         self._last_ts = max(self._last_ts, timestamp)
-        self._after = ("timestamp", timestamp)
+
+        def select(key: str, point: Any) -> bool:
+            if point.timestamp > timestamp:  # logged after the checkpoint
+                return True
+            # still pending from an earlier interrupted run when the checkpoint was taken
+            return any(a < point.timestamp <= b for a, b in pending.get(key, ()))
+
+        self._after = select
+
+    def _drop_empty_run(self) -> None:
+        """Delete the run this logger created without writing to it (``log_dir`` was asked
+        before ``restore``): the resume continues another run."""
+        with contextlib.suppress(Exception):  # an empty run left behind is harmless
+            self._client.delete_run(self._run_id)
+        self._run_id = None
+        self._experiment_id = None
+        self._start_ms = None
 
     def truncate_after(self, step: int) -> None:
         """Treat the stored points at steps after ``step`` as logged after a checkpoint."""
@@ -378,4 +505,28 @@ class MLFlowLogger(Logger):
         if self._run_id is None:
             return
         self.experiment  # noqa: B018
-        self._read_extra("step", step)
+        self._read_extra(lambda key, point: point.step > step)
+
+
+def _check_pending(pending: Any) -> dict[str, list[tuple[int, int]]]:
+    """The ``pending`` entry of a state: metric -> list of ``[after, upto]`` int pairs."""
+    error = ValueError(
+        f"logger state 'pending' must map metric names to [after, upto] pairs, got {pending!r}"
+    )
+    if not isinstance(pending, Mapping):
+        raise error
+    checked: dict[str, list[tuple[int, int]]] = {}
+    for key, ranges in pending.items():
+        if not isinstance(key, str) or not isinstance(ranges, (list, tuple)):
+            raise error
+        pairs = []
+        for pair in ranges:
+            if (
+                not isinstance(pair, (list, tuple))
+                or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+            ):
+                raise error
+            pairs.append((pair[0], pair[1]))
+        checked[key] = pairs
+    return checked
