@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
         train_step,
     )
     from .loops import DataModule, Task, Trainer, callbacks, data, loggers
-    from .loops.cli import cli
+    from .loops.command_line import cli
 
 # Where each entry point lives. They are imported on first use, so ``import purestep.engine``
 # (a DataLoader worker, a DDP rank) does not pay for the loops' loggers and progress bars.
@@ -58,7 +58,8 @@ _ENTRY_POINTS = {
         name: ("purestep.loops", name)
         for name in ("DataModule", "Task", "Trainer", "callbacks", "data", "loggers")
     },
-    "cli": ("purestep.loops.cli", "cli"),  # jsonargparse (the cli extra) loads when it is called
+    # jsonargparse (the cli extra) loads when it is called
+    "cli": ("purestep.loops.command_line", "cli"),
 }
 
 try:

@@ -8,7 +8,8 @@ compositions ``fit`` / ``FitLoop``, ``validate``, ``test``, ``run_evaluation``, 
 ``run_prediction``; and the Lightning-shaped ``Trainer`` with ``Task`` and ``DataModule``.
 ``log(value, on_step=..., on_epoch=...)`` chooses how a value a step returns is logged.
 ``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use, and
-so is ``cli`` (the config-file command line, ``loops.cli``; needs the ``cli`` extra).
+so is ``cli`` (the config-file command line, in ``loops.command_line``; needs the ``cli``
+extra).
 
 Note: the names ``fit``, ``evaluate`` and ``predict`` are the functions; the modules of the
 same names stay importable (``from purestep.loops.fit import FitLoop``).
@@ -92,7 +93,7 @@ def __getattr__(name: str) -> Any:
     if name == "cli":  # the command line (jsonargparse, the cli extra, loads when it is called)
         import importlib
 
-        function = importlib.import_module(".cli", __name__).cli
-        globals()["cli"] = function  # the function, not the module of the same name
+        function = importlib.import_module(".command_line", __name__).cli
+        globals()["cli"] = function  # later look-ups skip this function
         return function
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

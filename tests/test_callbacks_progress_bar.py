@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import types
 from collections.abc import Mapping
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from purestep import engine
 from purestep.engine import optim
 from purestep.engine.state import Progress
-from purestep.loops.callbacks import ProgressBar
+from purestep.loops.callbacks import ProgressBar, progress_bar
 from purestep.loops.events import Context
 
 
@@ -182,11 +183,33 @@ def test_bad_refresh_rate():
         ProgressBar(refresh_rate=-1)
 
 
-def test_an_explicit_refresh_rate_redraws_exactly_every_n_batches():
-    """Lightning's rule with no time throttle: an explicit rate is not limited by
-    min_interval, the default bar (refresh_rate=1) is."""
-    assert ProgressBar(refresh_rate=4).min_interval == 0
-    assert ProgressBar().min_interval == pytest.approx(0.1)
+# a clock that stands still: every batch comes within any min_interval of the last redraw
+_STOPPED_CLOCK = types.SimpleNamespace(monotonic=lambda: 0.0)
+
+
+@pytest.mark.parametrize("rate", [1, 2, 4])
+def test_an_explicit_refresh_rate_redraws_exactly_every_n_batches(rate, monkeypatch):
+    """Lightning's rule with no time throttle: an explicit rate, 1 included, is not limited
+    by min_interval; only the default bar (no rate given) is."""
+    monkeypatch.setattr(progress_bar, "time", _STOPPED_CLOCK)  # every batch within 0.1 s
+    bar = ProgressBar(refresh_rate=rate, file=io.StringIO())
+    assert bar.refresh_rate == rate and bar.min_interval == 0
+    moves = []
+    bar._move = lambda tqdm_bar, n: moves.append(n)
+    train_epoch(bar, 0, 9)
+    assert moves == [n for n in range(1, 10) if n % rate == 0 or n == 9]
+
+
+def test_the_default_bar_redraws_every_batch_at_most_every_tenth_of_a_second(monkeypatch):
+    monkeypatch.setattr(progress_bar, "time", _STOPPED_CLOCK)
+    bar = ProgressBar(file=io.StringIO())
+    assert bar.refresh_rate == 1 and bar.min_interval == pytest.approx(0.1)
+    moves = []
+    bar._move = lambda tqdm_bar, n: moves.append(n)
+    train_epoch(bar, 0, 9)
+    assert moves == [1, 9]  # the first, then the clock stood still until the last
+    throttled = ProgressBar(refresh_rate=1, min_interval=0.5)  # asked for explicitly
+    assert throttled.min_interval == 0.5
 
 
 # --------------------------------------------------------------------------- in the Trainer

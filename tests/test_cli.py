@@ -1,11 +1,12 @@
-"""``purestep.cli``: the config-file command line (``loops.cli``, on jsonargparse)."""
+"""``purestep.cli``: the config-file command line (``loops.command_line``, on jsonargparse)."""
 
 from __future__ import annotations
 
 import glob
+import inspect
 import os
 import re
-import runpy
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,9 @@ import yaml
 pytest.importorskip("jsonargparse")
 
 import purestep
+from purestep.loops import Trainer
 from purestep.loops.callbacks import EarlyStopping
-from purestep.loops.cli import CLI, cli
+from purestep.loops.command_line import CLI, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +123,7 @@ def test_fit_with_a_yaml_config_and_overrides_runs_and_saves_the_resolved_config
     assert os.path.dirname(saved).startswith(str(tmp_path / "runs"))
     loaded = yaml.safe_load(_read(saved))
     assert loaded["trainer"]["max_epochs"] == 1 and loaded["model"] == {"hidden": 5, "lr": 0.05}
-    assert loaded["seed"] == 0 and loaded["ckpt_path"] is None
+    assert loaded["seed_everything"] == 0 and loaded["ckpt_path"] is None and "seed" not in loaded
 
     # the saved file is a config: the same run again (into a new version folder)
     again = cli(Regression, Data, args=["fit", "--config", saved])
@@ -161,14 +163,14 @@ def test_an_existing_config_is_not_overwritten_unless_asked(tmp_path):
 
 
 def test_print_config_prints_the_resolved_yaml_and_it_round_trips(tmp_path, capsys):
-    args = ["fit", "--model.hidden", "7", "--trainer.max_epochs", "2", "--seed", "3"]
+    args = ["fit", "--model.hidden", "7", "--trainer.max_epochs", "2", "--seed_everything", "3"]
     with pytest.raises(SystemExit) as exit_info:
         cli(Regression, Data, args=[*args, "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     loaded = yaml.safe_load(printed)
     assert loaded["model"]["hidden"] == 7 and loaded["trainer"]["max_epochs"] == 2
-    assert loaded["seed"] == 3 and "min_epochs" in loaded["trainer"]  # None values shown
+    assert loaded["seed_everything"] == 3 and "min_epochs" in loaded["trainer"]  # None shown
     path = _write(tmp_path / "printed.yaml", printed)
     with pytest.raises(SystemExit):
         cli(Regression, Data, args=["fit", "--config", path, "--print_config"])
@@ -224,9 +226,10 @@ def test_validate_and_test_take_the_ckpt_path(tmp_path):
         (metrics,) = run.result
         assert metrics and all(isinstance(v, float) for v in metrics.values())
         saved = yaml.safe_load(_read(os.path.join(run.trainer.log_dir, "config.yaml")))
-        assert saved["ckpt_path"] == ckpt and "seed" not in saved
+        assert saved["ckpt_path"] == ckpt and saved["seed_everything"] == 0
+        assert "seed" not in saved
     with pytest.raises(SystemExit):
-        cli(Regression, Data, args=["validate", "--seed", "1", *common])  # fit's argument only
+        cli(Regression, Data, args=["validate", "--seed", "1", *common])  # --seed_everything
 
 
 def test_a_resumed_fit_keeps_the_config_of_the_run_it_continues(tmp_path):
@@ -337,13 +340,43 @@ def test_without_the_extra_the_error_says_what_to_install(monkeypatch):
         cli(Regression, Data, args=[], run=False)
 
 
+_SAME_FUNCTION = """
+import importlib.util, inspect, sys, types
+import purestep, purestep.loops
+import purestep.loops.command_line as module
+assert isinstance(cli, types.FunctionType), type(cli)
+assert cli is module.cli is purestep.cli is purestep.loops.cli
+assert not isinstance(purestep.loops.cli, types.ModuleType)
+parameters = inspect.signature(purestep.cli).parameters
+assert list(parameters)[:2] == ["model_class", "datamodule_class"], list(parameters)
+assert {"args", "run", "trainer_defaults"} <= set(parameters)
+assert importlib.util.find_spec("purestep.loops.cli") is None  # no module of that name
+print("ok")
+"""
+
+# How ``cli`` is reached first; ``_SAME_FUNCTION`` then checks it is the function everywhere.
+_FIRST_IMPORTS = {
+    "from purestep.loops": "from purestep.loops import cli\n",
+    "the module first": "import purestep.loops.command_line\nfrom purestep.loops import cli\n",
+    "purestep.cli": "import purestep\ncli = purestep.cli\n",
+    "from purestep": "from purestep import cli\n",
+}
+
+
+@pytest.mark.parametrize("first", sorted(_FIRST_IMPORTS))
+def test_cli_is_the_function_whatever_is_imported_first(tmp_path, first):
+    probe = _FIRST_IMPORTS[first] + _SAME_FUNCTION
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_importing_purestep_does_not_import_jsonargparse(tmp_path):
     probe = (
         "import sys, purestep, purestep.loops\n"
         "from purestep import *\n"
-        "import purestep.loops.cli as module\n"
-        "assert purestep.cli is module.cli and purestep.loops.cli is not None\n"
-        "assert callable(purestep.loops.cli)\n"
+        "assert callable(purestep.loops.cli) and callable(cli)\n"
         "assert 'jsonargparse' not in sys.modules, 'import purestep loaded jsonargparse'\n"
         "print('ok')\n"
     )
@@ -351,7 +384,34 @@ def test_importing_purestep_does_not_import_jsonargparse(tmp_path):
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip() == "ok", out.stderr
-    assert purestep.loops.cli is purestep.cli or callable(purestep.loops.cli)
+    assert purestep.loops.cli is purestep.cli is cli
+    assert "model_class" in inspect.signature(purestep.cli).parameters
+
+
+def test_seed_everything_is_fits_seed_and_every_subcommand_takes_it(tmp_path, monkeypatch, capsys):
+    seeds = []
+    original = Trainer.fit
+
+    def fit(self, *args, **kwargs):
+        seeds.append(kwargs.get("seed"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    common = ["--trainer.default_root_dir", str(tmp_path / "runs"), *QUIET]
+    args = ["fit", "--seed_everything", "3", "--trainer.max_steps", "1", *common]
+    run = cli(Regression, Data, args=args)
+    assert seeds == [3] and run.config.seed_everything == 3
+    saved = os.path.join(run.trainer.log_dir, "config.yaml")
+    assert yaml.safe_load(_read(saved))["seed_everything"] == 3
+    # fit's resolved config is a config of every subcommand
+    for subcommand in ("validate", "test", "predict"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli(Regression, Data, args=[subcommand, "--config", saved, "--print_config"])
+        assert exit_info.value.code in (0, None)
+        assert yaml.safe_load(capsys.readouterr().out)["seed_everything"] == 3
+    tested = cli(Regression, Data, args=["test", "--config", saved, "--ckpt_path", "last"])
+    (metrics,) = tested.result
+    assert metrics and seeds == [3]  # test ran no fit
 
 
 def _readme_cli_blocks() -> dict[str, str]:
@@ -362,18 +422,40 @@ def _readme_cli_blocks() -> dict[str, str]:
     return {b.splitlines()[0].strip(): b for b in blocks}
 
 
-def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
+def _readme_commands(block: str) -> list[str]:
+    """The commands of a shell block: comments dropped, continued lines joined."""
+    text = re.sub(r"\\\n\s*", " ", block)
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_the_readme_example_runs(tmp_path):
+    """Every command of the README's CLI section, as written and in order, in a folder
+    holding its train.py and run.yaml (``python`` is this interpreter)."""
     blocks = _readme_cli_blocks()
-    script = tmp_path / "train.py"
-    script.write_text(blocks["# train.py"])
+    (tmp_path / "train.py").write_text(blocks["# train.py"])
     (tmp_path / "run.yaml").write_text(blocks["# run.yaml"])
-    commands = [
-        line.split()[2:]
-        for line in blocks["# the commands"].splitlines()
-        if line.startswith("python train.py")
-    ]
-    assert commands[0][:3] == ["fit", "--config", "run.yaml"]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["train.py", *commands[0], *QUIET])
-    runpy.run_path(str(script), run_name="__main__")
-    assert glob.glob("**/config.yaml", recursive=True)
+    commands = _readme_commands(blocks["# the commands"])
+    assert len(commands) == 4 and commands[0].startswith("python train.py fit --config run.yaml")
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PURESTEP_TRAINER_")}
+    env["PATH"] = path
+    for command in commands:
+        result = subprocess.run(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
+        if "test" in shlex.split(command):
+            assert "test_loss" in result.stdout + result.stderr, result.stdout + result.stderr
+    full = yaml.safe_load((tmp_path / "full.yaml").read_text())
+    assert full["trainer"]["max_epochs"] == 3 and full["model"]["hidden"] == 16
+    assert "seed_everything" in full and "seed" not in full
+    saved = sorted(glob.glob(str(tmp_path / "lightning_logs" / "*" / "config.yaml")))
+    assert len(saved) == 3  # the two fits and the test, each in its own run folder
+    first = yaml.safe_load(_read(saved[0]))
+    assert first["trainer"]["max_epochs"] == 5 and first["model"]["lr"] == 0.05

@@ -5,8 +5,10 @@ training state: the driver calls ``on_event(event, ctx)`` after each event and t
 One training bar (``Epoch N``, reset every epoch, showing the progress-bar metrics from
 ``ctx.extra["progress_bar_metrics"]``), and a bar per validation, sanity-check, test and
 predict run. Bars redraw every ``refresh_rate`` batches (and on the last one: Lightning's
-rule); the default bar (``refresh_rate=1``) also redraws at most every ``min_interval``
-seconds. Between redraws a batch costs a modulo (and a clock read).
+rule); the default bar (``ProgressBar()``, no rate given) redraws at every batch but at most
+every ``min_interval`` (0.1) seconds, while an explicit rate, ``refresh_rate=1`` included,
+redraws exactly every that many batches. Between redraws a batch costs a modulo (and a clock
+read when throttled).
 
 ``ProgressBarBase`` is what the Trainer recognises in ``callbacks=[...]`` and uses instead of
 its default bar (``ProgressBar`` here, ``RichProgressBar`` in ``rich_progress``).
@@ -107,23 +109,25 @@ class ProgressBar(ProgressBarBase):
     """tqdm progress bars driven by loop events (``on_event(event, ctx)``).
 
     ``refresh_rate``: redraw every this many batches and at the last (``0`` disables the
-    bars); ``min_interval``: at most one redraw per this many seconds besides the last batch
-    (0: every due batch; default 0.1 s for ``refresh_rate=1``, else 0, so an explicit rate
-    redraws exactly every ``refresh_rate`` batches, as in Lightning); ``leave``: keep each
+    bars); not given (None), every batch but throttled by ``min_interval``. ``min_interval``:
+    at most one redraw per this many seconds besides the last batch (0: every due batch).
+    Its default is 0.1 s when no ``refresh_rate`` is given and 0 when one is, so an explicit
+    rate, ``refresh_rate=1`` included, redraws exactly every ``refresh_rate`` batches, as in
+    Lightning (pass ``min_interval`` as well to throttle it); ``leave``: keep each
     finished epoch's training bar on screen (else one bar is reused and the last epoch's
     stays); ``file``: where to draw (stderr by default). Only rank 0 draws.
     """
 
     def __init__(
         self,
-        refresh_rate: int = 1,
+        refresh_rate: int | None = None,
         leave: bool = False,
         file: IO[str] | None = None,
         min_interval: float | None = None,
     ):
-        super().__init__(refresh_rate)
-        if min_interval is None:
-            min_interval = 0.1 if refresh_rate == 1 else 0.0
+        super().__init__(1 if refresh_rate is None else refresh_rate)
+        if min_interval is None:  # only the default bar (no rate given) is throttled
+            min_interval = 0.1 if refresh_rate is None else 0.0
         if not min_interval >= 0:
             raise ValueError(f"ProgressBar(min_interval={min_interval!r}) must be >= 0 seconds")
         self.min_interval = float(min_interval)

@@ -6,8 +6,12 @@ classes named on the command line, parses::
     script.py fit --config run.yaml --trainer.max_epochs 5 --model.hidden 64 --ckpt_path last
 
 - subcommands ``fit``, ``validate``, ``test`` and ``predict``, each taking that Trainer
-  method's own arguments (``--ckpt_path``, fit's ``--seed``, ``--verbose``,
-  ``--return_predictions``);
+  method's own arguments (``--ckpt_path``, ``--verbose``, ``--return_predictions``);
+- ``--seed_everything`` (default 0, Lightning's name), taken by every subcommand so that one
+  printed config serves them all: fit builds its state with it (``Trainer.fit``'s
+  ``seed``); validate, test and predict, whose weights come from ``--ckpt_path`` (or a
+  fresh state), accept it and use none (the engine draws its random numbers from the
+  state's key, not from a global generator; nothing calls ``torch.manual_seed``);
 - ``--trainer.*``: the ``Trainer``'s flags, from ``Trainer.__init__``'s signature and type
   hints (``--trainer.callbacks`` and ``--trainer.logger`` take ``class_path`` /
   ``init_args``, as in Lightning); ``--model.*`` / ``--data.*``: the ``__init__`` arguments
@@ -28,7 +32,7 @@ classes named on the command line, parses::
   from ``--ckpt_path`` continues the run folder its checkpoint recorded, known only once
   the run started, so it writes the file then, keeping one already there;
 - an unknown key, in a config file or on the command line, is an error naming it and the
-  closest valid key ("did you mean ...?").
+  closest valid key ("did you mean ...?"); options are never abbreviated.
 
 The parsing is jsonargparse's (the ``cli`` extra: ``pip install "purestep[cli]"``); it is
 imported when ``cli`` is called, never by ``import purestep``.
@@ -41,7 +45,6 @@ import inspect
 import os
 import re
 import sys
-import types
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -97,7 +100,8 @@ def cli(
     task and the data module, and run the subcommand (see the module docstring).
 
     ``run=False``: no subcommand; the options are the trainer's, the model's and the
-    data's only, and nothing runs (call ``result.trainer.fit(result.model, ...)`` yourself,
+    data's only (and ``--seed_everything``), and nothing runs (call
+    ``result.trainer.fit(result.model, seed=result.config.seed_everything, ...)`` yourself,
     and ``result.save_config()`` to write the config). ``trainer_defaults``: defaults for
     Trainer flags (``{"max_epochs": 10}``). ``save_config_kwargs``: ``overwrite`` (replace a
     different existing file) and ``config_filename`` (default ``"config.yaml"``);
@@ -161,12 +165,14 @@ class CLI:
         self._filename = str(kwargs.get("config_filename", "config.yaml"))
 
         parser_class = _parser_class(jsonargparse)
-        self.parser = parser_class(**dict(parser_kwargs or {}))
+        # no abbreviations: "--seed" is no prefix of "--seed_everything" (jsonargparse 5's
+        # default); a misspelt key gets "did you mean" instead
+        self.parser = parser_class(**{"allow_abbrev": False, **dict(parser_kwargs or {})})
         self._parsers: dict[str | None, Any] = {}
         if run:
             subcommands = self.parser.add_subcommands(required=True, dest="subcommand")
             for name in SUBCOMMANDS:
-                sub = parser_class()
+                sub = parser_class(allow_abbrev=False)
                 self._add_arguments(sub, name)
                 summary = inspect.getdoc(getattr(Trainer, name)) or ""
                 subcommands.add_subcommand(name, sub, help=summary.split("\n")[0])
@@ -229,8 +235,15 @@ class CLI:
             )
         else:
             parser.add_class_arguments(self._datamodule_class, "data")
+        parser.add_argument(
+            "--seed_everything",
+            type=int,
+            default=0,
+            help="The run's seed: fit's seed (the other subcommands accept it and use none).",
+        )
         if subcommand is not None:
-            parser.add_method_arguments(Trainer, subcommand, skip=set(_NOT_FROM_CONFIG))
+            skip = set(_NOT_FROM_CONFIG) | ({"seed"} if subcommand == "fit" else set())
+            parser.add_method_arguments(Trainer, subcommand, skip=skip)
         defaults = {f"trainer.{k}": v for k, v in self._trainer_defaults.items()}
         names = flag_names(Trainer.__init__)
         unknown = [k for k in self._trainer_defaults if k not in names]
@@ -252,6 +265,8 @@ class CLI:
             for name in params
             if name not in _NOT_FROM_CONFIG and name != "self" and name in self.config
         }
+        if subcommand == "fit":  # the top-level seed, so every subcommand takes one config
+            kwargs["seed"] = self.config.seed_everything
         resuming = subcommand == "fit" and kwargs.get("ckpt_path") is not None
         if self._save and not resuming:
             self.save_config()
@@ -410,15 +425,3 @@ def _with_suggestions(parser: Any, message: str) -> str:
     if not hints:
         return message
     return f"{message}\n  " + "\n  ".join(dict.fromkeys(hints))
-
-
-class _CallableModule(types.ModuleType):
-    """``import purestep.loops.cli`` makes ``purestep.loops.cli`` this module (Python sets a
-    package's attribute to its submodule): calling it calls ``cli``, so that name works
-    either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> CLI:
-        return cli(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
