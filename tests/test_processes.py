@@ -34,6 +34,17 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 for _name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(_name, None)
 
+# A small Trainer under strategy="ddp" with every effect off, for the rank processes below.
+_DDP_FLAGS = {
+    "strategy": "ddp",
+    "max_epochs": 1,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "num_sanity_val_steps": 0,
+}
+
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
@@ -207,15 +218,7 @@ def _trainer_job(report: str, fail_rank: str) -> None:
     from purestep.loops import Trainer
     from tests.helpers import mlp
 
-    flags = {
-        "strategy": "ddp",
-        "max_epochs": 1,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-    }
+    flags = dict(_DDP_FLAGS)
     trainer = Trainer(**flags)
     rank, seen = trainer.strategy.rank, {"created": dist.is_initialized()}
 
@@ -316,15 +319,7 @@ def _two_trainers_job(report: str, order: str) -> None:
     from purestep.loops import Trainer
     from tests.helpers import mlp
 
-    flags = {
-        "strategy": "ddp",
-        "max_epochs": 1,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-    }
+    flags = dict(_DDP_FLAGS)
 
     def loss(apply, batch):
         x, y = batch
