@@ -11,6 +11,7 @@ from .ensemble import (
     ensemble,
 )
 from .flags import from_flags
+from .fsdp import FSDP, FSDPEvalStep, FSDPPredictStep, FSDPTrainStep, fsdp
 from .launch import LaunchError, LaunchTimeout, free_port, launch
 from .members import EnsembleInfo, is_ensemble, member, stack
 from .precision import PRECISIONS, MixedPrecision, TruePrecision, precision
@@ -45,6 +46,11 @@ __all__ = [
     "EnsembleStepOutput",
     "EnsembleTrainStep",
     "ensemble",
+    "FSDP",
+    "FSDPEvalStep",
+    "FSDPPredictStep",
+    "FSDPTrainStep",
+    "fsdp",
     "is_ensemble",
     "member",
     "stack",

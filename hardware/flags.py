@@ -10,6 +10,7 @@ import torch
 from purestep.engine.strategy import Strategy
 
 from .ddp import ddp_from_flags
+from .fsdp import fsdp_from_flags
 from .precision import _ALIASES
 from .single import single_device
 
@@ -63,9 +64,12 @@ def from_flags(
         raise ValueError(f"devices must be at least 1 (or -1 for all), got {devices!r}")
     if strategy == "ddp":
         return ddp_from_flags(use_cuda, devices, count, precision)
+    if strategy == "fsdp":
+        return fsdp_from_flags(use_cuda, devices, count, precision)
     if strategy not in ("auto", "single_device"):
         raise ValueError(
-            f"unknown strategy {strategy!r}; use 'auto', 'single_device' or a strategy value "
+            f"unknown strategy {strategy!r}; use 'auto', 'single_device', 'ddp', 'fsdp' or a "
+            "strategy value "
             "from hardware (e.g. hardware.single_device('cpu'))"
         )
     if count not in (None, 1):

@@ -11,10 +11,12 @@ them by the small record ``read_record`` reads), the latter two with its decoded
 its payload for ``load_payload``; ``load_module(url, template)`` gives the trained module of
 a checkpoint (``engine.to_module`` of its weights); ``AsyncCheckpointer``
 writes in a background thread (``background``); ``export_state_dict`` / ``load_weights``
-exchange plain ``state_dict``s (``interop``).
+exchange plain ``state_dict``s (``interop``). ``sharded.save`` / ``sharded.load`` write and read
+sharded states (FSDP) as one ``torch.distributed.checkpoint`` file per rank, reloadable at
+any world size (``sharded``; its pickled DCP index read by ``dcp_metadata``).
 """
 
-from . import storage
+from . import sharded, storage
 from .background import AsyncCheckpointer
 from .codec import CheckpointError, decode, encode
 from .discover import candidates, find_latest, load_latest, modified_time, ranked, read_latest
@@ -64,6 +66,7 @@ __all__ = [
     "remove",
     "remove_partial",
     "save",
+    "sharded",
     "storage",
     "versions",
     "write_atomic",

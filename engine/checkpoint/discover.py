@@ -19,6 +19,15 @@ this library never writes, a corrupt file, one that reads but does not decode) i
 with a warning naming it and the reason. ``load_latest`` returns the decoded state and
 metadata, ``read_latest`` the payload (``files.load_payload`` restores from it), so a resume
 reads the chosen file once.
+
+Sharded checkpoints (``sharded``: a folder per checkpoint, on local disks) take part too: a
+folder matching the pattern is a candidate once committed (one without its commit marker
+is skipped with a warning, like a corrupt file), ranked by the progress record its
+manifest holds, and checked with ``sharded.peek`` (manifest, DCP index, data files, the
+state's decoding; no tensor data read). ``load_latest`` then loads the chosen folder's full
+tensors (``tensors=False``: the peeked state, its tensors ``meta`` placeholders, for a caller
+that loads it laid out like its own sharded state); ``read_latest`` returns files only (a
+folder has no payload).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import storage
+from . import sharded, storage
 from .codec import CheckpointError
 from .files import load_payload, matches_record, payload_record, read, read_record
 
@@ -49,7 +58,7 @@ def candidates(
     """Committed entries in ``folder`` matching ``pattern``, newest first by modification
     time (a listing: nothing is opened; ``ranked`` orders them for resuming)."""
     found = _dated_candidates(folder, pattern, commit, storage_options)
-    return [url for _, url in found]
+    return [url for _, url in found if _folder(url) is None or sharded.is_committed(_folder(url))]
 
 
 def _dated_candidates(
@@ -95,7 +104,11 @@ def ranked(
         scored = []
         for mtime, url in _dated_candidates(folder, pattern, commit, storage_options):
             try:
-                record = read_record(url, commit=commit, storage_options=storage_options)
+                local = _folder(url)
+                if local is not None:
+                    record = sharded.read_record(local)  # refuses an uncommitted folder
+                else:
+                    record = read_record(url, commit=commit, storage_options=storage_options)
             except (CheckpointError, OSError) as err:
                 _skip(url, err)
                 continue
@@ -113,18 +126,33 @@ def ranked(
     return [url for _, urls in groups for url in urls]
 
 
+def _folder(url: str) -> str | None:
+    """The local path of ``url`` if it is a sharded checkpoint folder, else None."""
+    if not storage.is_local_url(url):
+        return None
+    local = storage.filesystem(url)[1]
+    return local if sharded.is_sharded_checkpoint(local) else None
+
+
 def _loadable(
     folders: str | Sequence[str],
     pattern: str,
     commit: str,
     storage_options: dict[str, Any] | None,
-) -> Iterator[tuple[str, dict[str, Any], Any, dict[str, Any]]]:
-    """``(url, payload, state, metadata)`` of each ranked checkpoint that reads and decodes."""
+) -> Iterator[tuple[str, dict[str, Any] | None, Any, dict[str, Any]]]:
+    """``(url, payload, state, metadata)`` of each ranked checkpoint that reads and decodes
+    (a sharded folder: payload None, its state peeked)."""
     for url in ranked(folders, pattern, commit=commit, storage_options=storage_options):
         try:
-            payload = read(url, commit=commit, storage_options=storage_options)
-            state, metadata = load_payload(payload, url=url)
-            if not matches_record(state, payload_record(payload, url)):
+            local = _folder(url)
+            if local is not None:
+                state, metadata = sharded.peek(local)
+                record = sharded.read_record(local)
+            else:
+                payload = read(url, commit=commit, storage_options=storage_options)
+                state, metadata = load_payload(payload, url=url)
+                record = payload_record(payload, url)
+            if not matches_record(state, record):
                 raise CheckpointError(
                     f"{url}: its record states a progress its state does not have (ranked by "
                     "a record that is not its own)"
@@ -132,7 +160,7 @@ def _loadable(
         except (CheckpointError, OSError) as err:
             _skip(url, err)
             continue
-        yield url, payload, state, metadata
+        yield url, (None if local is not None else payload), state, metadata
 
 
 def _accepted(url: str, accept: Accept | None, *args: Any) -> bool:
@@ -152,12 +180,22 @@ def load_latest(
     commit: str = "auto",
     storage_options: dict[str, Any] | None = None,
     accept: Accept | None = None,
+    tensors: bool = True,
 ) -> tuple[str, Any, dict[str, Any]] | None:
     """``(url, state, metadata)`` of the furthest checkpoint across ``folders`` that loads,
     or None. ``accept(state, metadata)`` may skip more: False silently (e.g. weights-only
-    files when resuming), a ``CheckpointError`` with a warning."""
-    for url, _, state, metadata in _loadable(folders, pattern, commit, storage_options):
+    files when resuming), a ``CheckpointError`` with a warning. A sharded folder chosen is
+    loaded in full (plain CPU tensors); ``tensors=False`` returns its peeked state instead
+    (``meta`` placeholders: for a caller that loads it laid out like its own state)."""
+    for url, payload, state, metadata in _loadable(folders, pattern, commit, storage_options):
         if _accepted(url, accept, state, metadata):
+            local = _folder(url) if payload is None else None
+            if local is not None and tensors:
+                try:
+                    state, metadata = sharded.load(local)
+                except CheckpointError as err:
+                    _skip(url, err)
+                    continue
             return url, state, metadata
     return None
 
@@ -173,9 +211,10 @@ def read_latest(
     """``(url, payload)`` of the furthest checkpoint across ``folders`` that loads, or None.
 
     Like ``load_latest``, but returns the payload ``read`` returned (restore from it with
-    ``load_payload`` instead of reading the file again) and calls ``accept(payload)``."""
+    ``load_payload`` instead of reading the file again) and calls ``accept(payload)``;
+    files only (sharded folders have no payload: ``load_latest`` takes them)."""
     for url, payload, _, _ in _loadable(folders, pattern, commit, storage_options):
-        if _accepted(url, accept, payload):
+        if payload is not None and _accepted(url, accept, payload):
             return url, payload
     return None
 
