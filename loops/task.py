@@ -114,6 +114,12 @@ class Task:
     #: The checkpoint's ``TrainState`` after ``load_from_checkpoint`` (None for weights only).
     state: TrainState | None = None
 
+    #: Lightning's flag. True: the Trainer runs the optimizers (with several, the training
+    #: step is ``training_step(self, apply, batch, optimizer_idx)``, called once per active
+    #: optimizer). False (manual optimization): ``training_step(self, opt, batch)`` gets an
+    #: ``OptimizerHandle`` and runs ``opt.step(name, loss_fn, batch)`` itself.
+    automatic_optimization: bool = True
+
     def __init__(self, model: nn.Module | None = None, hparams: dict[str, Any] | None = None):
         self.model = model
         if hparams is None:  # keep what save_hyperparameters() recorded before this call
@@ -231,6 +237,10 @@ class Task:
         )
 
     def configure_optimizers(self) -> Any:
+        """The optimizer(s): an ``engine.optim`` transform, or Lightning's shapes — a dict
+        ``{"optimizer": tx, "lr_scheduler": ...}``, a list of optimizers (each a transform or
+        such a dict with ``"params"`` naming its parameters), ``([optimizers],
+        [schedulers])`` — as ``loops.optimizers`` describes."""
         raise NotImplementedError(
             f"{type(self).__name__} must override configure_optimizers() and return an "
             "engine.optim transform (e.g. optim.adamw(1e-3))"
@@ -294,11 +304,10 @@ class Task:
         ):
             if fn is not None:
                 user_errors.check_signature(fn, what)
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(
-                "optimizer must be an engine.optim transform (e.g. optim.adamw(1e-3)), "
-                f"got {type(optimizer).__name__}"
-            )
+        from .optimizers import parse_optimizers
+
+        # a bad optimizer fails here, naming what is accepted
+        parse_optimizers(optimizer, "optimizer")
         return _FunctionTask(model, loss_fn, optimizer, val_fn, test_fn, predict_fn, hparams)
 
 

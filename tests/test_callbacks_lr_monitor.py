@@ -209,7 +209,7 @@ def test_nothing_injected_logs_nothing_and_explains_once():
     opt = optim.adamw(1e-3)
     cb = LearningRateMonitor()
     assert not _fire(cb, "on_train_epoch_start", opt)
-    assert not _fire(cb, "on_train_batch_start", opt, step=49)
+    assert not _fire(cb, "on_train_batch_end", opt, step=50)
     start = _fire(cb, "on_train_start", opt)
     assert len(start.messages) == 1 and "inject_hyperparams" in start.messages[0]
     assert not start.log
@@ -233,7 +233,8 @@ def test_step_logging_cadence(step, every, should_stop, interval):
     config = LoopConfig.create(log_every_n_steps=every)
     opt = inject(optim.sgd)(lr=0.1)
     cb = LearningRateMonitor(logging_interval=interval)
-    req = _fire(cb, "on_train_batch_start", opt, step, config, should_stop)
+    # logged at the end of the batch that stepped (the counter then includes it)
+    req = _fire(cb, "on_train_batch_end", opt, step + 1, config, should_stop)
     due = every > 0 and ((step + 1) % every == 0 or should_stop)
     assert bool(req.log) == (due and interval != "epoch")
     req = _fire(cb, "on_train_epoch_start", opt, step, config, should_stop)

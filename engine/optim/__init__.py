@@ -8,6 +8,10 @@ and their ``step`` is bitwise equal to ``torch.optim.X(foreach=True)``. Transfor
 with ``chain`` and the wrappers (``accumulate``, ``skip_nonfinite``, ``inject_hyperparams``,
 ``masked``, ``partition``). Learning-rate schedules live in ``optim.schedules`` (its
 ``schedules.step`` is the StepLR-like schedule; ``optim.step`` applies a transform).
+``from_torch(torch.optim.NAdam, lr=...)`` runs any ``torch.optim.Optimizer`` subclass as a
+pure transform, bitwise equal to driving it by hand; ``as_transformation`` turns what the
+Trainer accepts as an optimizer (a transform, a torch optimizer class or a
+``functools.partial`` of one) into a transform.
 
 States are ``@struct`` pytrees holding tensors and plain int counters. Nothing here modifies
 its inputs except under ``donating()``, which lets the built-in transforms reuse the
@@ -36,9 +40,13 @@ from .base import (
     step,
 )
 from .clipping import clip_by_global_norm, clip_by_value, global_norm
+from .coerce import as_transformation
+from .from_torch import TorchOptimizerState, from_torch
 from .hyperparams import InjectHyperparamsState, inject_hyperparams
 from .masking import MaskedState, PartitionState, decay_mask, masked, partition
+from .multi import MultiOptState, find_injected, injected_values, set_hyperparams
 from .nonfinite import NonFiniteError, SkipNonFiniteState, all_finite, skip_nonfinite
+from .plateau import PlateauState, ReduceLROnPlateau
 from .rmsprop import RMSpropState, rmsprop
 from .scaling import ScaleByScheduleState, scale, scale_by_schedule
 from .schedules import Schedule
@@ -53,15 +61,19 @@ __all__ = [
     "GradientTransformation",
     "InjectHyperparamsState",
     "MaskedState",
+    "MultiOptState",
     "NonFiniteError",
     "OptState",
     "Params",
     "PartitionState",
+    "PlateauState",
     "RMSpropState",
+    "ReduceLROnPlateau",
     "SGDState",
     "ScaleByScheduleState",
     "Schedule",
     "SkipNonFiniteState",
+    "TorchOptimizerState",
     "Updates",
     "accumulate",
     "adagrad",
@@ -70,14 +82,18 @@ __all__ = [
     "add_decayed_weights",
     "all_finite",
     "apply_updates",
+    "as_transformation",
     "chain",
     "clip_by_global_norm",
     "clip_by_value",
     "decay_mask",
     "donating",
+    "find_injected",
+    "from_torch",
     "global_norm",
     "identity",
     "inject_hyperparams",
+    "injected_values",
     "is_donating",
     "owning_updates",
     "owns_updates",
@@ -87,6 +103,7 @@ __all__ = [
     "scale",
     "scale_by_schedule",
     "schedules",
+    "set_hyperparams",
     "set_to_zero",
     "sgd",
     "skip_nonfinite",

@@ -9,7 +9,17 @@ wrapper state), finds each injected learning rate and logs it under Lightning's 
 
 ``<Optimizer>`` is torch's class name for the named optimizers, which the injected state
 records (``lr-SGD``, ``lr-Adam``, ``lr-AdamW``, ``lr-RMSprop``, ``lr-Adagrad``); for other
-factories it is the inner optimizer state's class name less ``State``.
+factories it is the inner optimizer state's class name less ``State``. With several
+optimizers (a ``MultiOptState``) each is named the same way, in configuration order
+(``lr-Adam``, ``lr-Adam-1``, ...), unless its scheduler config has a ``name``, which
+replaces ``lr-<Optimizer>`` (Lightning's rule).
+
+**Which value.** Per step (``logging_interval="step"``) the monitor logs at the end of each
+batch that stepped, on the logging cadence, from the state after the step: what the
+injected state holds then is the value that step used (a schedule injected into the
+optimizer records the value it evaluated; a scheduler config writes its value before the
+batch). So the row of step ``k`` carries the learning rate step ``k`` trained with. Per
+epoch, it logs at ``on_train_epoch_start``, after the epoch's schedulers set their values.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from purestep.engine.optim import InjectHyperparamsState, PartitionState
+from purestep.engine.optim import InjectHyperparamsState, MultiOptState, PartitionState
 
 from .. import schedule
 from ..config import default_config
@@ -60,15 +70,26 @@ class Injected(NamedTuple):
     hyperparams: Mapping[str, Any]
 
 
-def find_hyperparams(opt_state: Any) -> list[Injected]:
+def find_hyperparams(opt_state: Any, names: Mapping[str, str] | None = None) -> list[Injected]:
     """Every injected optimizer (one with a learning rate) in ``opt_state``, in tree order,
-    named as ``LearningRateMonitor`` logs it."""
+    named as ``LearningRateMonitor`` logs it. ``names``: optimizer name -> the log name its
+    scheduler config gives (several optimizers)."""
     found: list[tuple[str, tuple[str, ...], Mapping[str, Any]]] = []
-    _walk(opt_state, (), found)
+    names = names or {}
+    if isinstance(opt_state, MultiOptState):
+        for optimizer, inner in opt_state.states.items():
+            own: list[tuple[str, tuple[str, ...], Mapping[str, Any]]] = []
+            _walk(inner, (), own)
+            given = names.get(optimizer)
+            found += [(given, g, h) if given else (f"lr-{n}", g, h) for n, g, h in own]
+    else:
+        _walk(opt_state, (), found)
+        # one optimizer: its scheduler's name, whatever the optimizer is called
+        given = next(iter(names.values())) if len(names) == 1 else names.get("0")
+        found = [(given, g, h) if given else (f"lr-{n}", g, h) for n, g, h in found]
     seen: dict[str, int] = {}
     out = []
-    for name, groups, hyperparams in found:
-        base = f"lr-{name}"
+    for base, groups, hyperparams in found:
         suffix = "".join(f"/{g}" for g in groups)
         repeat = seen.get(base + suffix, 0)
         seen[base + suffix] = repeat + 1
@@ -168,7 +189,7 @@ class LearningRateMonitor(Callback):
             raise ValueError(
                 "Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger."
             )
-        found = find_hyperparams(ctx.state.opt_state)
+        found = find_hyperparams(ctx.state.opt_state, ctx.extra.get("lr_scheduler_names"))
         if not found:
             return state, Requests(
                 messages=(
@@ -192,8 +213,15 @@ class LearningRateMonitor(Callback):
                 )
         return state, Requests(messages=tuple(messages)) if messages else NOTHING
 
-    def on_train_batch_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
-        if self.logging_interval == "epoch" or not should_log_step(ctx):
+    def on_train_batch_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
+        if self.logging_interval == "epoch":
+            return state, NOTHING
+        stepped = getattr(ctx.outputs, "stepped", True)
+        if not stepped:
+            return state, NOTHING
+        # this batch's step index: the counter before the step counted it
+        index = max(ctx.progress.step - 1, 0)
+        if not schedule.should_log_step(ctx.config or default_config(), index, ctx.should_stop):
             return state, NOTHING
         return state, self._log(ctx)
 
@@ -202,10 +230,11 @@ class LearningRateMonitor(Callback):
             return state, NOTHING
         return state, self._log(ctx)
 
-    def values(self, opt_state: Any) -> dict[str, float]:
-        """The values this monitor logs for ``opt_state``: log name -> float."""
+    def values(self, opt_state: Any, names: Mapping[str, str] | None = None) -> dict[str, float]:
+        """The values this monitor logs for ``opt_state``: log name -> float (``names``: the
+        scheduler configs' log names, by optimizer)."""
         out: dict[str, float] = {}
-        for key, hp in find_hyperparams(opt_state):
+        for key, hp in find_hyperparams(opt_state, names):
             lr = next(hp[k] for k in _LR_KEYS if k in hp)
             out[key] = float(lr)
             if self.log_momentum:
@@ -218,5 +247,5 @@ class LearningRateMonitor(Callback):
         return out
 
     def _log(self, ctx: Context) -> Requests:
-        values = self.values(ctx.state.opt_state)
+        values = self.values(ctx.state.opt_state, ctx.extra.get("lr_scheduler_names"))
         return Requests(log=values) if values else NOTHING
