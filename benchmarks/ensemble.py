@@ -24,8 +24,14 @@ Threads: ``torch.set_num_threads(1)`` (see ``benchmarks/step_overhead.py``: the 
 cores are shared, and one thread keeps the kernels identical and the figures stable).
 Timing: ``_harness.interleaved`` (sides alternate in rounds, median per round). The figure
 per side is the time of one step of all 16 members; the last line is
-``speedup=<sequential / ensemble>``. ``--scaling`` also times the ensemble step alone for
-K = 1, 4 and 16, which splits its cost into a fixed part and a per-member part.
+``speedup=<sequential / ensemble> speedup_compiled=<sequential / ensemble_compiled>``, the
+latter the ensemble step compiled whole (``compile=True``, ``grad_norm=False``: forward,
+vmapped backward and the stacked Adam update as one inductor graph; compared with the
+sequential runs to ``rtol=1e-4, atol=1e-5``, different kernels; its compile time is part of
+the warm-up, not of the figures; ``--backend``, default ``inductor``, its ``torch.compile``
+backend: the test suite's smoke run uses ``aot_eager``, no code generation). ``--scaling``
+also times the ensemble step alone for K = 1, 4 and 16, which splits its cost into a fixed
+part and a per-member part.
 ``--breakdown`` also times each side's gradient half alone (``TrainStep.backward``: forward,
 backward, gradient bookkeeping) next to its whole step, so the optimizer half (norms and
 update, ``TrainStep.apply``) is the difference, and prints the speedup a free optimizer half
@@ -201,6 +207,9 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="also time the gradient half of each side"
     )
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend of the compiled side"
+    )
     args = parser.parse_args()
     warmup, rounds, steps = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -215,6 +224,10 @@ def main() -> None:
         "sequential": Sequential(net, [hardware.member(start, i) for i in range(K)], batches),
         "ensemble": Ensemble(net, start, batches),
         "ensemble_func": Ensemble(net, start, batches, grad="func"),
+        # the whole vmapped step (forward, backward, Adam) as one inductor graph
+        "ensemble_compiled": Ensemble(
+            net, start, batches, compile={"backend": args.backend}, grad_norm=False
+        ),
         "ensemble_sweep": Ensemble(
             net,
             sweep_start,
@@ -238,6 +251,10 @@ def main() -> None:
                 raise AssertionError(f"{name}: member {i}'s progress differs")
     if worst > 1e-5:
         raise AssertionError(f"the ensemble diverged from the sequential runs (max {worst:.3g})")
+    for i in range(K):  # compiled: different kernels, so a tolerance
+        m = hardware.member(sides["ensemble_compiled"].state, i)
+        for n, p in m.params.items():
+            torch.testing.assert_close(p, seq[i].params[n], rtol=1e-4, atol=1e-5)
     agree = "bitwise" if bitwise else f"to {worst:.1e}"
 
     samples = _harness.interleaved({n: s.step for n, s in sides.items()}, rounds, steps)
@@ -266,7 +283,8 @@ def main() -> None:
     if args.quick:
         print("--quick: a smoke run; its figures are too short to mean anything")
     speedup = seq_ms / ens_ms
-    print(f"speedup={speedup:.3f}")
+    compiled = seq_ms / statistics.median(ms["ensemble_compiled"])
+    print(f"speedup={speedup:.3f} speedup_compiled={compiled:.3f}")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,12 @@ class PerSampleStep(TrainStep):
                 "'-true' precision"
             )
 
+    #: Why ``engine.compile`` refuses this step (``CompiledTrainStep.of`` reads it).
+    _compile_unsupported = (
+        "its per-example gradients, clipping and noise run eagerly (the noise is drawn from a "
+        "torch.Generator seeded per step, which does not trace); pass compile=False"
+    )
+
     def __repr__(self) -> str:
         return (
             f"PerSampleStep(model={type(self.model).__name__}, strategy={self.strategy!r}, "
@@ -319,6 +325,7 @@ def per_sample_step(
     grad_norm: bool = True,
     chunk_size: int | None = None,
     allow_unused: bool = False,
+    compile: Any = False,
 ) -> PerSampleStep:
     """Build a DP-SGD step ``step(state, batch) -> (new_state, StepOutput)``.
 
@@ -330,8 +337,13 @@ def per_sample_step(
     final (noised, averaged) gradient. ``allow_unused``: parameters the loss does not use
     get a zero per-example gradient (then only noise) instead of an error; the check costs
     one ordinary forward and backward pass on the first call. See the module doc for the
-    exact arithmetic.
+    exact arithmetic. ``compile``: not supported yet (a clear error; see
+    ``PerSampleStep._compile_unsupported``).
     """
+    if compile:
+        raise ValueError(
+            f"per_sample_step(compile=...) is not supported: {PerSampleStep._compile_unsupported}"
+        )
     return PerSampleStep(
         model,
         loss_fn,

@@ -116,12 +116,17 @@ class _Aux:
     __slots__ = ("mask", "others", "spec")
 
     def flatten(self, value: Any) -> list[Tensor]:
+        if isinstance(value, dict) and not value:  # no metrics (also: dynamo traces this)
+            self.spec, self.mask, self.others = None, [], []
+            return []
         flat, self.spec = optree.tree_flatten(value, namespace=NAMESPACE)
         self.mask = [isinstance(x, Tensor) for x in flat]
         self.others = [x for x in flat if not isinstance(x, Tensor)]
         return [x for x in flat if isinstance(x, Tensor)]
 
     def unflatten(self, tensors: Sequence[Tensor]) -> Any:
+        if self.spec is None:
+            return {}
         ts, others = iter(tensors), iter(self.others)
         return optree.tree_unflatten(
             self.spec, [next(ts) if m else next(others) for m in self.mask]
@@ -365,19 +370,33 @@ class EnsembleTrainStep(TrainStep):
             return member_optim.tensor_norms(grads)
         return None
 
+    def _check_update(self, state: TrainState) -> None:
+        """Once: check that the optimizer updates members independently, and learn whether
+        it keeps injected hyper-parameters (a compiled step calls this before tracing)."""
+        if not self._optimizer_checked:
+            trainable = self._trainable(state.params)
+            if trainable:
+                member_optim.check_separable(self.optimizer, trainable)
+            self._optimizer_checked = True
+        if self._injected is None:
+            self._injected = bool(member_optim.hyperparameters(state.opt_state))
+
+    def _traced_update(self, params, grads, opt_state, norms):
+        """``_update`` without its donation context (``engine.compile`` sets it)."""
+        max_norm = self.ensemble.clip_grad_norm
+        if max_norm is not None:
+            grads = member_optim.clip(grads, member_optim.combine_norms(norms), max_norm)
+        run = member_optim.step if self._injected else optim.step
+        return run(self.optimizer, grads, opt_state, self._trainable(params))
+
     def _update(self, state: TrainState, grads: dict[str, Tensor], norms: Any) -> tuple:
         """The optimizer update of every member (per-member clipping and hparams)."""
         params = state.params
         trainable = self._trainable(params)
-        if not self._optimizer_checked:
-            if trainable:
-                member_optim.check_separable(self.optimizer, trainable)
-            self._optimizer_checked = True
+        self._check_update(state)
         max_norm = self.ensemble.clip_grad_norm
         if max_norm is not None:
             grads = member_optim.clip(grads, member_optim.combine_norms(norms), max_norm)
-        if self._injected is None:
-            self._injected = bool(member_optim.hyperparameters(state.opt_state))
         run = member_optim.step if self._injected else optim.step
         # The gradients are this step's own temporaries: the optimizer may reuse them.
         with optim.donating() if self.donate else optim.owning_updates():

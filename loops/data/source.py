@@ -44,7 +44,7 @@ from .batches import Batches
 from .datasets import DatasetBatches
 from .iterables import IterableBatches
 from .options import Options
-from .tensors import TensorBatches
+from .tensors import TensorBatches, TensorDatasetBatches, gathers
 
 __all__ = ["batches", "source"]
 
@@ -120,9 +120,10 @@ def _from_loader(loader: DataLoader, seed: int, rank: int, world_size: int, scop
             UserWarning,
             stacklevel=3,
         )
-    return DatasetBatches(
-        loader.dataset, _loader_options(loader, seed, rank, world_size, scope), kind="loader"
-    )
+    options = _loader_options(loader, seed, rank, world_size, scope)
+    if gathers(loader.dataset, options):
+        return TensorDatasetBatches(loader.dataset, options)
+    return DatasetBatches(loader.dataset, options, kind="loader")
 
 
 def source(
@@ -189,6 +190,8 @@ def source(
         )
     if isinstance(data, (str, bytes)):
         raise TypeError(f"cannot make batches from a {type(data).__name__}")
+    if gathers(data, options):
+        return TensorDatasetBatches(data, options)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return DatasetBatches(data, options)
     if isinstance(data, Iterable):

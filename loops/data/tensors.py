@@ -17,7 +17,7 @@ import torch
 from .batches import IndexedBatches, check_position
 from .options import Options
 
-__all__ = ["TensorBatches", "check_tensors"]
+__all__ = ["TensorBatches", "TensorDatasetBatches", "check_tensors", "gathers"]
 
 
 def check_tensors(tensors: tuple[torch.Tensor, ...]) -> int:
@@ -74,3 +74,46 @@ class TensorBatches(IndexedBatches):
 
     def describe(self) -> dict[str, Any]:
         return self._summary("tensors", self._options, num_samples=self._n)
+
+
+def gathers(dataset: Any, options: Options) -> bool:
+    """Whether batches of ``dataset`` can be gathered by index instead of sample by sample:
+    a plain ``TensorDataset`` batched with the default collate (which stacks its rows into a
+    list of tensors, exactly what one ``index_select`` per tensor gives)."""
+    return (
+        type(dataset) is torch.utils.data.TensorDataset
+        and options.collate_fn is None
+        and options.batch_size is not None
+        and bool(dataset.tensors)
+    )
+
+
+class TensorDatasetBatches(TensorBatches):
+    """A ``TensorDataset`` under the default collate, served by index gathering.
+
+    The batches are bitwise those of the per-sample path (``default_collate`` stacks the rows
+    of each tensor; that is ``index_select`` of the same rows), as the same list of tensors,
+    without a ``__getitem__`` call or a collate per sample. ``TensorDataset`` draws no random
+    numbers, so the per-sample RNG scoping has nothing to scope; workers are not needed.
+    """
+
+    def __init__(self, dataset: torch.utils.data.TensorDataset, options: Options) -> None:
+        super().__init__(tuple(dataset.tensors), options)
+        self._dataset = dataset
+        self._single = False
+        self._scoped = False  # nothing to scope (as DatasetBatches says for a TensorDataset)
+
+    def _generate(self, epoch: int, start: int) -> Iterator[Any]:
+        for parts in super()._generate(epoch, start):
+            yield list(parts)
+
+    def with_options(self, **changes: Any) -> Any:
+        options = self._options.replace(**changes)
+        if gathers(self._dataset, options):
+            return TensorDatasetBatches(self._dataset, options)
+        from .datasets import DatasetBatches
+
+        return DatasetBatches(self._dataset, options)
+
+    def describe(self) -> dict[str, Any]:
+        return self._summary("tensor_dataset", self._options, num_samples=self._n)
