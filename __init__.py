@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
         to_module,
         train_step,
     )
-    from .loops import DataModule, Task, Trainer, callbacks, data, loggers
+    from .loops import DataModule, Task, Trainer, Tuner, callbacks, data, loggers
     from .loops.command_line import cli
 
 # Where each entry point lives. They are imported on first use, so ``import purestep.engine``
@@ -56,7 +56,7 @@ _ENTRY_POINTS = {
     },
     **{
         name: ("purestep.loops", name)
-        for name in ("DataModule", "Task", "Trainer", "callbacks", "data", "loggers")
+        for name in ("DataModule", "Task", "Trainer", "Tuner", "callbacks", "data", "loggers")
     },
     # jsonargparse (the cli extra) loads when it is called
     "cli": ("purestep.loops.command_line", "cli"),
@@ -87,6 +87,7 @@ __all__ = [
     "Task",
     "TrainState",
     "Trainer",
+    "Tuner",
     "__version__",
     "callbacks",
     "checkpoint",

@@ -19,9 +19,11 @@ otherwise:
   enable_model_summary=False, num_sanity_val_steps=0, max_epochs=1).fit(template, loss_fn,
   engine.optim.adam(lr), loader)`` with a fresh DataLoader of the same settings. This is the
   fair baseline: the raw loop has no progress bar, no logger, no checkpoint and no summary
-  either. The Trainer re-creates the loader on its deterministic order (same dataset, same
-  batch size, per-sample ``__getitem__`` and ``default_collate`` as the raw loader), so both
-  sides load data the same way; only the order of the samples differs.
+  either. The Trainer re-creates the loader on its deterministic order; for a
+  ``TensorDataset`` under the default collate it gathers each batch by index
+  (``loops.data.TensorDatasetBatches``: the same batches the raw loader's per-sample
+  ``__getitem__`` and ``default_collate`` build, without the per-sample Python), so the
+  Trainer's data path is cheaper than the raw loop's; the order of the samples differs.
 
 The Trainer runs with its default ``donate_state=True``: the updates write parameters and
 Adam's state in place, as the raw loop's ``torch.optim`` does (results bitwise those of
@@ -37,6 +39,10 @@ Two diagnostic sides split the difference:
   metric aggregation, loop state, commit points, its data path, its start-up).
 * fit_immutable: ``Trainer(donate_state=False)``, every state a new one: what immutability
   costs on this model (new tensors for the parameters and Adam's state at every step).
+* fit_profiled: ``Trainer(profiler=SimpleProfiler(dirpath=<a temporary folder>))``: what
+  timing every action (batch fetch, step halves, batch, epoch, callback events) costs; the
+  report is printed (captured) and written at the end, inside the timed call. The ``fit``
+  side is the profiler-off figure: without a profiler the loops run their unprofiled code.
 
 Every side builds what it needs inside the timed call (model copy and optimizer, or Trainer
 and state), as a user's script would; a side's figure is the epoch's time divided by its 256
@@ -54,7 +60,15 @@ median over rounds of the per-round ratio of the two sides' epochs: a background
 slows a whole round cancels out of it, while the ratio of two medians (printed too) can
 swing by 0.1-0.2 on this shared machine. The last line is ``ratio=<fit / raw>
 step_ratio=<step_loop / raw> loop_ratio=<fit / step_loop> immutable_ratio=<fit_immutable /
-raw>``.
+raw> profiler_ratio=<fit_profiled / fit> compiled_ratio=<fit_compiled / raw>`` (target
+for profiler_ratio: within 1.05; for compiled_ratio: at most 0.5).
+
+The compiled side, ``Trainer(compile=True)``, runs in its own interleaved rounds against raw
+(fewer of them: each fit compiles its step anew): each round fits two epochs and times the
+second one by epoch-start/end callbacks, so ``compiled_ratio`` is the steady state; the
+first epoch's extra time (compiling the step, warm from inductor's on-disk cache after the
+first round) is printed. ``--backend`` (default ``inductor``) is its ``torch.compile`` backend;
+the test suite's smoke run uses ``aot_eager`` (no code generation).
 """
 
 from __future__ import annotations
@@ -63,6 +77,7 @@ import argparse
 import contextlib
 import copy
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -80,6 +95,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from purestep import engine
 from purestep.engine import optim
 from purestep.loops import Trainer
+from purestep.loops.callbacks import LambdaCallback
+from purestep.loops.profiling import SimpleProfiler
 
 try:
     import _harness
@@ -100,6 +117,8 @@ FAIR = {
 # (samples, rounds, rounds of the informational defaults run); then --quick's
 FULL = (8192, 31, 7)
 QUICK = (512, 2, 1)
+#: rounds of the compiled side (each compiles its Trainer's step anew: slow)
+COMPILED_ROUNDS = 7
 
 
 def mlp() -> nn.Module:
@@ -116,6 +135,9 @@ class Workload:
     """The shared template and dataset; each method runs one epoch of one side."""
 
     def __init__(self, samples: int) -> None:
+        # the profiled side's report files (removed at exit)
+        self._reports = tempfile.TemporaryDirectory(prefix="fit_overhead_profile_")
+        self.reports = self._reports.name
         g = torch.Generator().manual_seed(1)
         self.dataset = TensorDataset(
             torch.randn(samples, WIDTHS[0], generator=g),
@@ -160,6 +182,49 @@ class Workload:
         if not self.messages:
             self.messages = [line for line in said.getvalue().splitlines() if line.strip()]
         return state.progress.step
+
+    def fit_compiled(self, backend: str = "inductor") -> tuple[int, float, float]:
+        """``Trainer(compile=True)`` for two epochs: ``(steps, first epoch s, second epoch s)``;
+        the first pays for compiling the step, the second is the steady state."""
+        marks: list[float] = []
+
+        def mark(ctx: Any) -> None:
+            marks.append(time.perf_counter())
+
+        timer = LambdaCallback(on_train_epoch_start=mark, on_train_epoch_end=mark)
+        compile = {"backend": backend}
+        trainer = Trainer(**{**FAIR, "max_epochs": 2, "compile": compile, "callbacks": [timer]})
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            state = trainer.fit(self.template, loss_fn, optim.adam(LR), self.loader())
+        return state.progress.step, marks[1] - marks[0], marks[3] - marks[2]
+
+
+def compiled_rounds(work: Workload, rounds: int, backend: str = "inductor") -> float:
+    """Interleaved rounds of raw (one epoch) and the compiled Trainer (its second epoch);
+    prints both and the compile overhead of the first epoch; returns the paired ratio."""
+    raw_s, steady_s, first_s = [], [], []
+    for r in range(rounds):
+        order = ("raw", "compiled") if r % 2 == 0 else ("compiled", "raw")
+        for side in order:
+            gc.collect()
+            if side == "raw":
+                t0 = time.perf_counter()
+                work.raw()
+                raw_s.append(time.perf_counter() - t0)
+            else:
+                steps, first, steady = work.fit_compiled(backend)
+                if steps != 2 * work.batches:
+                    raise AssertionError(f"fit_compiled took {steps} steps")
+                first_s.append(first)
+                steady_s.append(steady)
+    n = work.batches
+    us = {"raw": [t / n * 1e6 for t in raw_s], "fit_compiled": [t / n * 1e6 for t in steady_s]}
+    for name, v in us.items():
+        print(f"  {name:13s} {_harness.summary(v)} us/step")
+    compile_s = statistics.median(f - t for f, t in zip(first_s, steady_s))
+    print(f"  fit_compiled's first epoch over its second (compiling the step): {compile_s:.1f} s")
+    return paired(us["fit_compiled"], us["raw"])
 
 
 def checked(run: Callable[[], int], expected: int, name: str) -> Callable[[None], int]:
@@ -221,6 +286,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few epochs only (smoke run)")
     parser.add_argument("--profile", action="store_true", help="also cProfile one fit epoch")
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend of the compiled side"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -243,6 +311,14 @@ def main() -> None:
             nothing,
             checked(lambda: work.fit(donate_state=False), n, "fit_immutable"),
         ),
+        "fit_profiled": (
+            nothing,
+            checked(
+                lambda: work.fit(profiler=SimpleProfiler(dirpath=work.reports)),
+                n,
+                "fit_profiled",
+            ),
+        ),
     }
     for _, run in sides.values():  # warm-up: one epoch each
         run(None)
@@ -252,6 +328,7 @@ def main() -> None:
     times = _harness.interleaved_calls(sides, rounds)
     ratios = report(times, n)
     loop_ratio = paired(times["fit"], times["step_loop"])
+    profiler_ratio = paired(times["fit_profiled"], times["fit"])
     raw_us = statistics.median(times["raw"]) / n * 1e6
     print(
         f"  split (paired ratios x the raw median): engine step over torch's "
@@ -279,6 +356,13 @@ def main() -> None:
         )
         report(_harness.interleaved_calls(info, default_rounds), n)
 
+    compiled_n = 2 if args.quick else COMPILED_ROUNDS
+    print(
+        f"\n[compiled] Trainer(compile=True), 2 epochs per round, its second epoch (steady "
+        f"state) against raw's epoch: {compiled_n} interleaved rounds"
+    )
+    compiled_ratio = compiled_rounds(work, compiled_n, args.backend)
+
     if args.profile:
         profile(work)
 
@@ -287,7 +371,8 @@ def main() -> None:
         print("--quick: a smoke run; its figures are too short to mean anything")
     print(
         f"ratio={ratios['fit']:.3f} step_ratio={ratios['step_loop']:.3f} "
-        f"loop_ratio={loop_ratio:.3f} immutable_ratio={ratios['fit_immutable']:.3f}"
+        f"loop_ratio={loop_ratio:.3f} immutable_ratio={ratios['fit_immutable']:.3f} "
+        f"profiler_ratio={profiler_ratio:.3f} compiled_ratio={compiled_ratio:.3f}"
     )
 
 

@@ -1,6 +1,6 @@
 """The functional core of purestep: state pytrees, keys, optimizers and pure step functions."""
 
-from . import checkpoint, metrics, optim, per_sample, rng, tree
+from . import checkpoint, compile, metrics, optim, per_sample, rng, tree
 from .bind import Binder, canonical_names
 from .export import to_module
 from .loss_scale import DynamicLossScale, LossScaleState
@@ -39,6 +39,7 @@ __all__ = [
     "batch_size",
     "canonical_names",
     "checkpoint",
+    "compile",
     "eval_step",
     "field",
     "init",

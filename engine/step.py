@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -441,6 +441,7 @@ class TrainStep:
         grad: str = "autograd",
         allow_unused: bool = False,
         grad_norm: bool = True,
+        trainable: Sequence[str] | None = None,
     ) -> None:
         if grad not in ("autograd", "func"):
             raise ValueError(f"grad must be 'autograd' or 'func', got {grad!r}")
@@ -471,7 +472,9 @@ class TrainStep:
         self.allow_unused = allow_unused
         self.compute_grad_norm = grad_norm
         self.binder = Binder(model)
-        self.trainable = trainable_names(model)
+        # ``trainable``: the parameters this step's optimizer updates (one of several
+        # optimizers' subset); the others are bound as constants. Default: requires_grad.
+        self.trainable = trainable_names(model) if trainable is None else list(trainable)
         trainable = set(self.trainable)
         self._frozen = tuple(n for n in self.binder.param_names if n not in trainable)
         self._all_trainable = not self._frozen
@@ -641,6 +644,13 @@ class TrainStep:
         with optim.donating() if self.donate else optim.owning_updates():
             new_trainable, opt_state = optim.step(self.optimizer, grads, state.opt_state, trainable)
         return self._merged(params, new_trainable), opt_state
+
+    def _traced_update(
+        self, params: dict[str, Tensor], grads: dict[str, Tensor], opt_state: Any, norms: Any
+    ) -> tuple[dict[str, Tensor], Any]:
+        """``_update`` as a compiled step traces it: ``(new trainable params, new optimizer
+        state)``, the donation flags set by the caller (``engine.compile``)."""
+        return optim.step(self.optimizer, grads, opt_state, self._trainable(params))
 
     # ------------------------------------------------------------------ helpers
 
@@ -831,6 +841,7 @@ def train_step(
     grad: str = "autograd",
     allow_unused: bool = False,
     grad_norm: bool = True,
+    compile: Any = False,
 ) -> TrainStep:
     """Build a pure train step ``step(state, batch) -> (new_state, StepOutput)``.
 
@@ -841,8 +852,13 @@ def train_step(
     ``grad``: ``"autograd"`` (fast: ``torch.autograd.grad``) or ``"func"``
     (``torch.func.grad``, composable with ``vmap``). ``allow_unused``: treat the gradient of
     parameters the loss does not use as zero instead of raising (both ``grad`` modes).
-    ``grad_norm``: report the global gradient norm in the output.
+    ``grad_norm``: report the global gradient norm in the output. ``compile``: True, a
+    ``engine.compile.CompileOptions`` or a dict of its fields compiles the whole step
+    (``engine.compile``); False (the default) runs it eagerly.
     """
+    from .compile import CompiledTrainStep, compile_options
+
+    options = compile_options(compile)
     if strategy is not None:
         built = strategy.build_train_step(
             model,
@@ -855,7 +871,20 @@ def train_step(
             grad_norm=grad_norm,
         )
         if built is not NotImplemented:
-            return built
+            return built if options is None else CompiledTrainStep.of(built, options)
+    if options is not None:
+        return CompiledTrainStep(
+            model,
+            loss_fn,
+            optimizer,
+            strategy=strategy,
+            accumulate=accumulate,
+            donate=donate,
+            grad=grad,
+            allow_unused=allow_unused,
+            grad_norm=grad_norm,
+            options=options,
+        )
     return TrainStep(
         model,
         loss_fn,
@@ -957,18 +986,27 @@ def _default_predict(apply: nn.Module, batch: Any) -> Any:
 
 
 def eval_step(
-    model: nn.Module, fn: Callable[[nn.Module, Any], Any], *, strategy: Strategy | None = None
+    model: nn.Module,
+    fn: Callable[[nn.Module, Any], Any],
+    *,
+    strategy: Strategy | None = None,
+    compile: Any = False,
 ) -> EvalStep:
     """Build ``step(state, batch, index=0) -> metrics``, run in eval mode without gradients.
 
     ``fn(apply, batch)`` returns a loss, ``(loss, metrics)``, or a dict of metrics; the step
     returns a dict (the loss under ``"loss"``). ``index`` (the batch's position in the
-    evaluation) enters the key of any random draw.
+    evaluation) enters the key of any random draw. ``compile``: as for ``train_step``.
     """
+    from .compile import CompiledEvalStep, compile_options, compiled
+
+    options = compile_options(compile)
     if strategy is not None:
         built = strategy.build_eval_step(model, fn)
         if built is not NotImplemented:
-            return built
+            return built if options is None else compiled(built, options)
+    if options is not None:
+        return CompiledEvalStep(model, fn, strategy, options=options)
     return EvalStep(model, fn, strategy)
 
 
@@ -977,10 +1015,17 @@ def predict_step(
     fn: Callable[[nn.Module, Any], Any] = _default_predict,
     *,
     strategy: Strategy | None = None,
+    compile: Any = False,
 ) -> PredictStep:
-    """Build ``step(state, batch, index=0) -> prediction`` (``fn`` defaults to ``apply(batch)``)."""
+    """Build ``step(state, batch, index=0) -> prediction`` (``fn`` defaults to ``apply(batch)``;
+    ``compile`` as for ``train_step``)."""
+    from .compile import CompiledPredictStep, compile_options, compiled
+
+    options = compile_options(compile)
     if strategy is not None:
         built = strategy.build_predict_step(model, fn)
         if built is not NotImplemented:
-            return built
+            return built if options is None else compiled(built, options)
+    if options is not None:
+        return CompiledPredictStep(model, fn, strategy, options=options)
     return PredictStep(model, fn, strategy)

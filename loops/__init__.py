@@ -5,7 +5,11 @@ The pieces, from the bottom up: deterministic data order (``source``, ``batches`
 as a pure function (``schedule``); events, the read-only ``Context`` and ``Requests`` that
 pure ``callbacks`` return; ``loggers``; the ``Driver`` that carries out effects; the
 compositions ``fit`` / ``FitLoop``, ``validate``, ``test``, ``run_evaluation``, ``predict``,
-``run_prediction``; and the Lightning-shaped ``Trainer`` with ``Task`` and ``DataModule``.
+``run_prediction``; ``profiling`` (profilers of the loops' actions, the ``Monitor`` base of
+observers that log measurements); and the Lightning-shaped ``Trainer`` with ``Task`` and
+``DataModule`` (several optimizers: ``MultiStep``, the manual-optimization
+``OptimizerHandle``; ``optimizers`` and ``schedulers`` read ``configure_optimizers``), and
+its ``Tuner`` (``tuning``: learning-rate finder, batch-size scaler).
 ``log(value, on_step=..., on_epoch=...)`` chooses how a value a step returns is logged.
 ``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use, and
 so is ``cli`` (the config-file command line, in ``loops.command_line``; needs the ``cli``
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import callbacks, data, loggers, schedule
+from . import callbacks, data, loggers, profiling, schedule, tuning
 from .aggregate import log
 from .config import FLAG_NAMES, LoopConfig
 from .data import Batches, as_list, batches, combine, keyed, source
@@ -36,11 +40,13 @@ from .events import (
     Stage,
     dispatch,
 )
-from .fit import FitLoop, fit
+from .fit import FitLoop, NonFiniteLossError, fit
 from .loop_state import LoopState
+from .multi_optim import MultiStep, OptimizerHandle
 from .predict import predict, run_prediction
 from .task import DataModule, Task, task_callback
 from .trainer import Trainer, TrainerStatus
+from .tuning import Tuner
 
 __all__ = [
     "EVENTS",
@@ -56,11 +62,15 @@ __all__ = [
     "FitLoop",
     "LoopConfig",
     "LoopState",
+    "MultiStep",
+    "NonFiniteLossError",
+    "OptimizerHandle",
     "Requests",
     "Stage",
     "Task",
     "Trainer",
     "TrainerStatus",
+    "Tuner",
     "as_list",
     "batches",
     "callbacks",
@@ -74,6 +84,7 @@ __all__ = [
     "log",
     "loggers",
     "predict",
+    "profiling",
     "run_evaluation",
     "run_prediction",
     "schedule",
@@ -81,6 +92,7 @@ __all__ = [
     "task_callback",
     "test",
     "testing",
+    "tuning",
     "validate",
 ]
 

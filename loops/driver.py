@@ -26,11 +26,15 @@ from typing import Any
 
 import torch
 
+from purestep.engine.optim.multi import set_hyperparams
 from purestep.engine.state import TrainState
 
 from . import loop_state
 from .callbacks.base import Callback
-from .events import Context, Requests, Stage, dispatch, handlers_for
+from .events import NOTHING, Context, Requests, Stage, dispatch, handlers_for
+from .profiling import Monitor
+from .profiling import active as _active_profiler
+from .profiling import section as _section
 
 __all__ = ["Driver", "prepare", "print_message"]
 
@@ -109,6 +113,8 @@ class Driver:
         clock: Callable[[], float] = time.monotonic,
         elapsed_offset: float = 0.0,
         extra: Mapping[str, Any] | None = None,
+        profiler: Any = None,
+        inference_mode: bool = True,
     ) -> None:
         self.fn = fn
         self.callbacks = callbacks
@@ -126,6 +132,12 @@ class Driver:
         self.clock = clock
         self.elapsed_offset = elapsed_offset
         self.extra = dict(extra or {})
+        # A loops.profiling.Profiler that measures (None: the loops run unprofiled paths).
+        self.profiler = _active_profiler(profiler)
+        self._labels: dict[tuple[str, str, str], str] = {}
+        # Evaluation steps under torch.inference_mode() (else torch.no_grad()): Lightning's
+        # Trainer(inference_mode=...).
+        self.inference_mode = inference_mode
         self.stage: str | None = None
         self.status = "initializing"
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
@@ -248,18 +260,88 @@ class Driver:
         if not handlers and not watchers:
             return state
         ctx = self.context(state, **fields)
+        prof = self.profiler
         for observer in watchers:
-            observer.on_event(event, ctx)
+            if prof is None:
+                said = observer.on_event(event, ctx)
+            else:
+                with prof.profile(self._label("[Observer]", type(observer).__name__, event)):
+                    said = observer.on_event(event, ctx)
+            # a monitor's measurements (other observers' return values mean nothing)
+            if said is not None and isinstance(observer, Monitor):
+                self._log_observed(said)
         if not handlers:
             return state
-        state, requests = dispatch(event, self.callbacks, state, ctx, handlers=handlers)
+        if prof is None:
+            state, requests = dispatch(event, self.callbacks, state, ctx, handlers=handlers)
+        else:
+            state, requests = self._dispatch_profiled(event, state, ctx, handlers)
         if requests:
             state = self.carry_out(state, requests)
         return state
 
+    def _label(self, kind: str, name: str, event: str) -> str:
+        label = self._labels.get((kind, name, event))
+        if label is None:
+            label = self._labels[(kind, name, event)] = f"{kind}{name}.{event}"
+        return label
+
+    def _dispatch_profiled(
+        self, event: str, state: TrainState, ctx: Context, handlers: Sequence[Callback]
+    ) -> tuple[TrainState, Requests]:
+        """``dispatch``, each callback's handler timed as ``[Callback]<key>.<event>``."""
+        merged = NOTHING
+        for cb in handlers:
+            with self.profiler.profile(self._label("[Callback]", cb.key, event)):
+                state, requests = dispatch(event, self.callbacks, state, ctx, handlers=(cb,))
+            if requests is not NOTHING:
+                merged = merged | requests
+        return state, merged
+
+    def _log_observed(self, said: Any) -> None:
+        """Log what an observer returned: metrics, or ``(metrics, step)``."""
+        if isinstance(said, tuple):
+            metrics, step = said
+        else:
+            metrics, step = said, None
+        if metrics and self.stage != Stage.SANITY_CHECK:
+            self.log_metrics(metrics, self.logger_step if step is None else step)
+
+    def evaluation_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """What evaluation and prediction steps run under: ``torch.inference_mode()``, or
+        ``torch.no_grad()`` with ``inference_mode=False`` (Lightning's flag)."""
+        return torch.inference_mode() if self.inference_mode else torch.no_grad()
+
+    # ------------------------------------------------------------------ profiling
+
+    def start_profiling(self) -> None:
+        """A run starts: the profiler learns its stage, rank and run folder."""
+        if self.profiler is not None:
+            self.profiler.setup(
+                self.fn,
+                self.rank if self.world_size > 1 else None,
+                self.log_dir,
+                primary=self.is_primary,
+                printer=self.printer,
+            )
+
+    def end_profiling(self) -> None:
+        """A run ends (finished or not): the profiler's report, then its teardown."""
+        prof = self.profiler
+        if prof is not None:
+            try:
+                prof.describe()
+            finally:
+                prof.teardown(self.fn)
+
     def carry_out(self, state: TrainState, requests: Requests) -> TrainState:
-        """Do what callbacks asked: stop, log, queue file work, print."""
+        """Do what callbacks asked: stop, log, change hyper-parameters, queue file work,
+        print."""
         log = requests.log if self.stage != Stage.SANITY_CHECK else {}
+        if requests.hyperparams and self.stage != Stage.SANITY_CHECK:
+            state = state.replace(opt_state=set_hyperparams(state.opt_state, requests.hyperparams))
+        if requests.weights:
+            state = _put_weights(state, requests.weights)
         if requests.stop or log:
             loop = loop_state.get(state)
             changes: dict[str, Any] = {}
@@ -308,9 +390,15 @@ class Driver:
         """Send ``metrics`` to every logger at ``step`` (primary process only)."""
         if not metrics or not self.is_primary:
             return
+        prof = self.profiler
         for logger in self.loggers:
-            logger.log_metrics(metrics, step)
-            logger.save()
+            if prof is None:
+                logger.log_metrics(metrics, step)
+                logger.save()
+            else:
+                with prof.profile(self._label("[Logger]", type(logger).__name__, "log_metrics")):
+                    logger.log_metrics(metrics, step)
+                    logger.save()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Send the run's hyper-parameters to every logger (primary process only)."""
@@ -321,11 +409,14 @@ class Driver:
             logger.save()
 
     def finalize(self, status: str) -> None:
-        """Close the loggers with ``status`` ("success", "failed" or "interrupted")."""
-        if not self.is_primary:
-            return
-        for logger in self.loggers:
-            logger.finalize(status)
+        """Close the loggers with ``status`` ("success", "failed" or "interrupted"), after
+        the profiler's report (the loggers are closed even if the report fails)."""
+        try:
+            self.end_profiling()
+        finally:
+            if self.is_primary:
+                for logger in self.loggers:
+                    logger.finalize(status)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -366,9 +457,11 @@ class Driver:
                     "checkpointer; pass one to the Driver (the Trainer does)"
                 )
             for path in requests.save:
-                self.checkpointer(state, path, self)
+                with _section(self.profiler, "save_checkpoint"):
+                    self.checkpointer(state, path, self)
             for path in requests.save_weights:
-                self.checkpointer(_weights_only(state), path, self)
+                with _section(self.profiler, "save_checkpoint"):
+                    self.checkpointer(_weights_only(state), path, self)
         if pending and self.flush is not None:
             self.flush()
         for requests in pending:
@@ -398,6 +491,7 @@ class Driver:
 
         state = init_states(self.callbacks, state)
         self.status = "running"
+        self.start_profiling()
         try:
             self.stage = None
             state = self.fire("setup", state)
@@ -464,6 +558,48 @@ class Driver:
             if not interrupted:
                 self.stage = None
         return state
+
+
+def _put_weights(state: TrainState, weights: Mapping[str, Any]) -> TrainState:
+    """``state`` with a ``weights`` request's parameters and buffers, copied (so a later
+    in-place update of the state never writes into a callback's own tensors) onto the
+    devices of the state's (an average kept on the CPU, or loaded there from a checkpoint);
+    names the state does not have, and tensors of another shape or dtype than the state's,
+    are refused."""
+    changes: dict[str, Any] = {}
+    for kind in ("params", "buffers"):
+        given = weights.get(kind) or {}
+        have = getattr(state, kind)
+        unknown = sorted(set(given) - set(have))
+        if unknown:
+            raise KeyError(f"a weights request names {kind} the state does not have: {unknown}")
+        for k, v in given.items():
+            if not isinstance(v, torch.Tensor) or (v.shape, v.dtype) != (
+                have[k].shape,
+                have[k].dtype,
+            ):
+                raise ValueError(
+                    f"a weights request gives {kind[:-1]} {k!r} as "
+                    f"{_described(v)}; the state holds {_described(have[k])}"
+                )
+        if given:
+            changes[kind] = {**have, **{k: _placed(v, have[k]) for k, v in given.items()}}
+    other = sorted(set(weights) - {"params", "buffers"})
+    if other:
+        raise KeyError(f"a weights request holds {other}; it takes 'params' and 'buffers'")
+    return state.replace(**changes) if changes else state
+
+
+def _placed(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` on ``like``'s device."""
+    value = value.detach()
+    return value.to(like.device) if value.device != like.device else value.clone()
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _weights_only(state: TrainState) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from . import aggregate, loop_state, schedule
 from .data import length
 from .driver import Driver, prepare
 from .events import Stage
+from .profiling import section
 
 __all__ = ["run_evaluation", "test", "validate"]
 
@@ -36,6 +37,14 @@ EvalStep = Callable[..., Any]
 
 def _event_prefix(stage: str) -> str:
     return "test" if stage == Stage.TEST else "validation"
+
+
+#: What the profiler calls each stage's whole run, batch fetch and step (loops.profiling).
+_ACTIONS = {
+    Stage.VALIDATE: ("run_validation", "[EvaluationLoop].val_next", "validation_step"),
+    Stage.SANITY_CHECK: ("run_sanity_check", "[EvaluationLoop].val_next", "validation_step"),
+    Stage.TEST: ("run_test", "[EvaluationLoop].test_next", "test_step"),
+}
 
 
 def _counter_key(fn: str, stage: str, dataloader_idx: int) -> str:
@@ -77,6 +86,10 @@ def run_evaluation(
     previous_stage, driver.stage = driver.stage, stage
     several = len(sources) > 1
     per_loader: list[dict[str, float]] = []
+    prof = driver.profiler
+    run_action, next_action, step_action = _ACTIONS[stage]
+    if prof is not None:
+        prof.start(run_action)
     try:
         state = driver.fire(f"on_{prefix}_start", state, num_batches=list(max_batches))
         state = driver.fire(f"on_{prefix}_epoch_start", state, num_batches=list(max_batches))
@@ -92,12 +105,15 @@ def run_evaluation(
             suffix = f"/dataloader_idx_{i}" if several else ""
             counter_key = _counter_key(driver.fn, stage, i)
             batches = source.iterate(epoch)
-            if limit != float("inf"):
+            if prof is not None:
+                batches = prof.profile_iterable(batches, next_action, limit)
+            elif limit != float("inf"):
                 batches = itertools.islice(batches, int(limit))
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
                 state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
-                out = step(state, batch, index=batch_idx)
+                with driver.evaluation_mode(), section(prof, step_action):
+                    out = step(state, batch, index=batch_idx)
                 resolved = aggregate.resolve(out, stage)
                 acc = aggregate.accumulate(acc, resolved, batch_size(batch))
                 specs.update(aggregate.specs_of(resolved))
@@ -141,6 +157,8 @@ def run_evaluation(
         state = driver.fire(f"on_{prefix}_end", state, num_batches=list(max_batches))
     finally:
         driver.stage = previous_stage
+        if prof is not None:
+            prof.stop(run_action)
     extra = {k: float(v) for k, v in at_epoch_end.items()}
     return state, [{**values, **extra} for values in per_loader]
 

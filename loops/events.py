@@ -91,7 +91,13 @@ class Requests:
     ``save``: checkpoint files to write with the current state; ``save_weights``: files to
     write with the weights only (parameters and buffers); ``remove``: files to delete after
     the saves; ``link``: ``(target, link)`` pairs (``link`` points at ``target``);
-    ``messages``: lines to show the user.
+    ``messages``: lines to show the user; ``hyperparams``: injected optimizer
+    hyper-parameters to change before the next step, ``{"lr": 0.01}`` or, with several
+    optimizers, ``{"<optimizer>/lr": 0.01}`` (a float, or one per parameter group; see
+    ``engine.optim.set_hyperparams``), which is how schedulers and metric-driven callbacks
+    change a learning rate; ``weights``: parameters and/or buffers to put into the training
+    state, ``{"params": {name: tensor}, "buffers": {name: tensor}}`` (copied by the driver;
+    how weight-averaging callbacks swap averaged weights in and out).
     """
 
     stop: bool = False
@@ -101,6 +107,8 @@ class Requests:
     remove: tuple[str, ...] = ()
     link: tuple[tuple[str, str], ...] = ()
     messages: tuple[str, ...] = ()
+    hyperparams: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
+    weights: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
 
     def __or__(self, other: Requests) -> Requests:
         if not other:
@@ -115,6 +123,8 @@ class Requests:
             remove=self.remove + other.remove,
             link=self.link + other.link,
             messages=self.messages + other.messages,
+            hyperparams={**self.hyperparams, **other.hyperparams},
+            weights=_merged_weights(self.weights, other.weights),
         )
 
     def __bool__(self) -> bool:
@@ -126,7 +136,16 @@ class Requests:
             or self.remove
             or self.link
             or self.messages
+            or self.hyperparams
+            or self.weights
         )
+
+
+def _merged_weights(a: Mapping[str, Any], b: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Two ``weights`` requests in order: per kind (params, buffers), the later tensor wins."""
+    if not a or not b:
+        return b or a
+    return {k: {**a.get(k, {}), **b.get(k, {})} for k in dict.fromkeys((*a, *b))}
 
 
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})

@@ -33,8 +33,34 @@ from .driver import Driver, prepare
 from .evaluate import run_evaluation
 from .events import Stage
 from .interrupts import InterruptGuard
+from .profiling import ProfiledTrainStep, section
+from .schedulers import LRSchedulers
 
-__all__ = ["FitLoop", "fit"]
+__all__ = ["FitLoop", "NonFiniteLossError", "fit", "grad_norm_type"]
+
+
+class NonFiniteLossError(ValueError):
+    """``terminate_on_nan``: a loss or gradient was NaN or infinite (raised before the
+    optimizer update it would have fed, so the state and the last checkpoint are whole)."""
+
+
+def grad_norm_type(value: Any) -> float | None:
+    """Lightning's ``track_grad_norm``: -1 (off) -> None, else the p of the p-norm (a
+    positive number or ``"inf"``) as a float (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.lower() != "inf":
+            raise ValueError(f"track_grad_norm must be -1, a p > 0 or 'inf', got {value!r}")
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"track_grad_norm must be -1, a p > 0 or 'inf', got {value!r}")
+    if value == -1:
+        return None
+    if not value > 0:
+        raise ValueError(f"track_grad_norm must be -1, a p > 0 or 'inf', got {value!r}")
+    return float(value)
+
 
 _BATCH_EVENTS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
@@ -93,8 +119,14 @@ class FitLoop:
         reload_val: Callable[[], Sequence[Any]] | None = None,
         hparams: dict[str, Any] | None = None,
         donate: bool = False,
+        schedulers: Sequence[Any] = (),
+        track_grad_norm: Any = -1,
+        terminate_on_nan: bool = False,
     ) -> None:
-        if not (hasattr(step, "backward") and hasattr(step, "apply")):
+        self._multi = bool(getattr(step, "multi", False))
+        if self._multi:
+            donate = False  # several optimizers' updates are threaded: no in-place update
+        elif not (hasattr(step, "backward") and hasattr(step, "apply")):
             raise TypeError(
                 "fit needs a train step built by engine.train_step (with backward/apply), "
                 f"got {type(step).__name__}"
@@ -116,6 +148,11 @@ class FitLoop:
         self.reload_val = reload_val
         self.hparams = hparams
         self.donate = donate
+        self.schedulers = LRSchedulers(schedulers, multi=self._multi)
+        self.grad_norm_p = grad_norm_type(track_grad_norm)
+        self.terminate_on_nan = bool(terminate_on_nan)
+        self._grad_norm_values: dict[str, torch.Tensor] = {}
+        self._batch_idx = 0
         # The step the batches run (set by run): ``step``, or ``step.donating(backward=False)``.
         self._stepper = step
         self._guard = InterruptGuard()
@@ -145,6 +182,8 @@ class FitLoop:
     def _measure_train(self) -> None:
         c = self.config
         self.num_train = schedule.train_batches(c, length(self.train))
+        # weight averaging recomputes BatchNorm statistics over the training data at the end
+        self.driver.extra["train_data"] = (self.train, self.num_train)
         if self.enable_val:
             self.val_check_batch = schedule.val_check_batch(c, self.num_train)
         message = schedule.few_batches_warning(c, self.num_train, bool(self.driver.loggers))
@@ -224,6 +263,16 @@ class FitLoop:
         if self.donate and not owned:
             state = state.replace(params=_copied(state.params), opt_state=_copied(state.opt_state))
         self._stepper = self.step.donating(backward=False) if self.donate else self.step
+        if self._multi:  # one MultiStep runs the batch: its optimizers' halves are inside
+            self._stepper = self.step
+        if drv.profiler is not None:  # time the step's halves (unprofiled: the step itself)
+            self._stepper = ProfiledTrainStep(self._stepper, drv.profiler)
+        if self.schedulers:
+            self.schedulers.check(state)
+            state = self.schedulers.init(state)
+            named = {c.optimizer: c.name for c in self.schedulers.configs if c.name}
+            if named:  # LearningRateMonitor logs under the scheduler's name
+                drv.set_default_extra(lr_scheduler_names=named)
         self.state = init_states(drv.callbacks, state)
         drv.status = "running"
         drv.torn = drv.past_commit = False
@@ -237,6 +286,7 @@ class FitLoop:
             and schedule.sanity_check_sets_val_reload(self.config, epoch)
         ):
             self._record(last_val_reload=epoch)  # data given to the loop: loaded "now"
+        drv.start_profiling()  # ended by finalize, on every way out of the try below
         try:
             if self.donate:
                 self._guard.install()
@@ -307,7 +357,8 @@ class FitLoop:
                     if verdict.reason:
                         drv.say(verdict.reason)
                     break
-                self._epoch()
+                with section(drv.profiler, "run_training_epoch"):
+                    self._epoch()
             self._fire("on_train_end")
         drv.stage = None
         self._fire("on_fit_end")
@@ -341,6 +392,8 @@ class FitLoop:
         drv, c = self.driver, self.config
         p = self.state.progress
         epoch, start = p.epoch, p.batch_in_epoch
+        if self.schedulers:  # the epoch's learning rates, before anyone looks at them
+            self._request(self.schedulers.epoch_start(self.state))
         if start == 0:
             self._ensure_train(epoch)
             self._record(train_epoch={})
@@ -350,7 +403,10 @@ class FitLoop:
             self._check_accumulation(epoch)
         num = self.num_train
         self._factor = schedule.accumulation_factor(c, epoch)  # one per epoch
-        batches = _numbered(self.train.iterate(epoch, start), start, num)
+        batches = self.train.iterate(epoch, start)
+        if drv.profiler is not None:
+            batches = drv.profiler.profile_iterable(batches, "[FitLoop].train_dataloader_next")
+        batches = _numbered(batches, start, num)
         batch_idx, is_last = start - 1, False
         while True:
             p = self.state.progress
@@ -372,7 +428,8 @@ class FitLoop:
             if item is None:
                 break
             batch_idx, batch, is_last = item
-            self._batch(batch, batch_idx, is_last, epoch)
+            with section(drv.profiler, "run_training_batch"):
+                self._batch(batch, batch_idx, is_last, epoch)
             if not is_last:
                 drv.commit(self.state)
         self._epoch_end(epoch)
@@ -382,6 +439,10 @@ class FitLoop:
         drv, c = self.driver, self.config
         num = self.num_train
         heard_start, heard_before, heard_end = self._heard
+        self._batch_idx = batch_idx
+        samples_before = self.state.progress.samples
+        if self.schedulers:
+            self._request(self.schedulers.batch_start(self.state))
         if heard_start:
             self.state = drv.fire(
                 "on_train_batch_start",
@@ -391,21 +452,49 @@ class FitLoop:
                 num_batches=num,
             )
         close = schedule.is_optimizer_step(batch_idx, self._factor, num, is_last)
-        state, grads = self._stepper.backward(self.state, batch, end_window=close)
-        if grads.ready:
-            if heard_before:
-                state = drv.fire(
-                    "on_before_optimizer_step",
-                    state,
-                    batch=batch,
-                    batch_idx=batch_idx,
-                    outputs=grads,
-                    num_batches=num,
-                )
-            state, out = self._apply(state, grads)
-        else:
-            out = grads.output
+        if self._grad_norm_values:
+            self._grad_norm_values = {}
+        if self._multi:
 
+            def before_update(view, grads, index, name):
+                return self._before_update(view, grads, batch, batch_idx, index, name)
+
+            before_step = None
+            if getattr(self.step, "manual", False) and self.schedulers.has_step_schedules():
+
+                def before_step(view, index, name):
+                    requests = self.schedulers.step_start(view, name)
+                    return drv.carry_out(view, requests) if requests else view
+
+            state, out = self._stepper.run(
+                self.state,
+                batch,
+                batch_idx=batch_idx,
+                end_window=close,
+                before_update=before_update,
+                before_step=before_step,
+            )
+        else:
+            state, grads = self._stepper.backward(self.state, batch, end_window=close)
+            if self.terminate_on_nan:
+                self._check_finite_loss(grads.output.loss)
+            if grads.ready:
+                if self.terminate_on_nan or self.grad_norm_p is not None:
+                    self._inspect_gradients(grads)
+                if heard_before:
+                    state = drv.fire(
+                        "on_before_optimizer_step",
+                        state,
+                        batch=batch,
+                        batch_idx=batch_idx,
+                        outputs=grads,
+                        num_batches=num,
+                    )
+                state, out = self._apply(state, grads)
+            else:
+                out = grads.output
+
+        samples = state.progress.samples - samples_before  # this batch's
         loop = loop_state.get(state)
         values = {"loss": out.loss, **out.metrics} if out.metrics else {"loss": out.loss}
         plain = aggregate.plain_step_values(values, Stage.TRAIN, loop.train_specs)
@@ -416,7 +505,7 @@ class FitLoop:
             resolved = aggregate.resolve(values, Stage.TRAIN)
             to_log, bar, to_callbacks = aggregate.step_values(resolved)
             loop = loop.replace(
-                train_epoch=aggregate.accumulate(loop.train_epoch, resolved, grads.batch_size),
+                train_epoch=aggregate.accumulate(loop.train_epoch, resolved, samples),
                 train_specs=_merged_specs(loop.train_specs, resolved),
                 callback_metrics={**loop.callback_metrics, **to_callbacks},
             )
@@ -438,6 +527,8 @@ class FitLoop:
         if drv.world_size > 1:
             self._agree_on_stop()
         should_stop = loop_state.get(self.state).should_stop
+        if self._grad_norm_values:
+            to_log = {**to_log, **self._grad_norm_values}
         if to_log and schedule.should_log_step(
             c, drv.logger_step, should_stop, accumulating=not out.stepped
         ):
@@ -454,7 +545,82 @@ class FitLoop:
         ):
             self._validate(epoch)
             self._agree_on_stop()  # validation callbacks (early stopping) may have asked
+        if self.schedulers:
+            metrics = loop_state.get(self.state).callback_metrics
+            self.state, requests = self.schedulers.batch_end(self.state, metrics, out.stepped)
+            self._request(requests)
         drv.logger_step = self.state.progress.step
+
+    def _request(self, requests: Any) -> None:
+        """Carry out a scheduler's requests (the driver does, as for callbacks')."""
+        if requests:
+            self.state = self.driver.carry_out(self.state, requests)
+
+    # ------------------------------------------------------------------ inside a step
+
+    def _before_update(
+        self, view: TrainState, grads: Any, batch: Any, batch_idx: int, index: int, name: str
+    ) -> TrainState:
+        """Between one optimizer's backward and its update (several optimizers): the
+        non-finite checks, the gradient norms and ``on_before_optimizer_step``."""
+        if self.terminate_on_nan:
+            self._check_finite_loss(grads.output.loss)
+        if not grads.ready:
+            return view
+        if self.terminate_on_nan or self.grad_norm_p is not None:
+            self._inspect_gradients(grads)
+        if self._heard[1]:
+            view = self.driver.fire(
+                "on_before_optimizer_step",
+                view,
+                batch=batch,
+                batch_idx=batch_idx,
+                outputs=grads,
+                num_batches=self.num_train,
+                extra={"optimizer_idx": index, "optimizer_name": name},
+            )
+        return view
+
+    def _where(self) -> str:
+        p = self.state.progress
+        return f"epoch {p.epoch}, batch {self._batch_idx}, global step {p.step}"
+
+    def _check_finite_loss(self, loss: torch.Tensor) -> None:
+        if not bool(torch.isfinite(loss).all()):
+            raise NonFiniteLossError(
+                f"terminate_on_nan: the loss returned by the training step is {loss.item()} "
+                f"({self._where()}); training stopped before the optimizer update, so the "
+                "state and the last checkpoint hold no NaN"
+            )
+
+    def _inspect_gradients(self, grads: Any) -> None:
+        """``track_grad_norm``'s norms of the gradients the optimizer is about to use and
+        ``terminate_on_nan``'s check of them (before the update)."""
+        values = grads.grads
+        names = list(values)
+        tensors = list(values.values())
+        # A float16 overflow (``grads.finite`` False) is the loss scaler's routine: the
+        # update is skipped and the scale lowered, so it is no reason to stop.
+        if self.terminate_on_nan and getattr(grads, "finite", True):
+            finite = [bool(torch.isfinite(t).all()) for t in tensors]
+            if not all(finite):
+                bad = [n for n, ok in zip(names, finite) if not ok]
+                raise NonFiniteLossError(
+                    f"terminate_on_nan: detected nan and/or inf values in the gradients of "
+                    f"{bad} ({self._where()}); training stopped before the optimizer update, "
+                    "so the state and the last checkpoint hold no NaN"
+                )
+        p = self.grad_norm_p
+        if p is None:
+            return
+        norms = torch._foreach_norm(tensors, p)
+        prefix = f"grad_{p}_norm"
+        found = self._grad_norm_values
+        found.pop(f"{prefix}_total", None)
+        found.update({f"{prefix}/{n}": v.detach() for n, v in zip(names, norms)})
+        # the norm of every gradient of the batch (several optimizers: all of theirs)
+        stacked = torch.stack([v.float() for v in found.values()])
+        found[f"{prefix}_total"] = torch.linalg.vector_norm(stacked, p)
 
     def _apply(self, state: TrainState, grads: Any) -> tuple[TrainState, Any]:
         """The optimizer update; in place when donating.
@@ -512,13 +678,20 @@ class FitLoop:
         with drv.collecting() as logged_by_callbacks:
             self._fire("on_train_epoch_end", num_batches=self.num_train)
         self._agree_on_stop()
+        if self.schedulers:
+            metrics = loop_state.get(self.state).callback_metrics
+            self.state, requests = self.schedulers.epoch_end(self.state, metrics)
+            self._request(requests)
         row = {**to_log, **logged_by_callbacks}
         if row:
             drv.log_metrics({**row, "epoch": epoch}, row_step)
         p = self.state.progress
+        # The loop's accumulation window closes with the epoch; manual optimization's
+        # per-optimizer windows count that optimizer's calls and stay open across it.
+        keep = getattr(self.step, "manual", False)
         self.state = self.state.replace(
             progress=p.replace(epoch=p.epoch + 1, batch_in_epoch=0, micro_step=0),
-            grad_accum=None,
+            grad_accum=self.state.grad_accum if keep else None,
         )
         self._record(train_epoch={})
         drv.logger_step = self.state.progress.step

@@ -20,6 +20,7 @@ from . import schedule
 from .data import length
 from .driver import Driver, prepare
 from .events import Stage
+from .profiling import section
 
 __all__ = ["predict", "run_prediction"]
 
@@ -93,19 +94,27 @@ def run_prediction(
     if schedule.evaluation_skipped(max_batches):
         return state, [[] for _ in sources]
     previous_stage, driver.stage = driver.stage, Stage.PREDICT
+    # prediction writers name each batch's samples from the sources' order
+    driver.extra["predict_sources"] = list(sources)
     outputs: list[list[Any]] = []
+    prof = driver.profiler
+    if prof is not None:
+        prof.start("run_predict")
     try:
         state = driver.fire("on_predict_start", state, num_batches=list(max_batches))
         state = driver.fire("on_predict_epoch_start", state, num_batches=list(max_batches))
         for i, (source, limit) in enumerate(zip(sources, max_batches)):
             collected: list[Any] = []
             batches = source.iterate(0)
-            if limit != float("inf"):
+            if prof is not None:
+                batches = prof.profile_iterable(batches, "[PredictionLoop].predict_next", limit)
+            elif limit != float("inf"):
                 batches = itertools.islice(batches, int(limit))
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
                 state = driver.fire("on_predict_batch_start", state, num_batches=limit, **fields)
-                out = _predict(step, state, batch, batch_idx)
+                with driver.evaluation_mode(), section(prof, "predict_step"):
+                    out = _predict(step, state, batch, batch_idx)
                 if to_cpu:
                     out = tree_map(_cpu, out)
                 if keep:
@@ -123,6 +132,8 @@ def run_prediction(
         state = driver.fire("on_predict_end", state, num_batches=list(max_batches))
     finally:
         driver.stage = previous_stage
+        if prof is not None:
+            prof.stop("run_predict")
     return state, outputs
 
 

@@ -6,7 +6,13 @@ the elapsed training time (the driver's clock, which a resumed run continues) an
 logger's resume state (so a resumed run's logs end as if never interrupted), and the fit's
 task hparams and checkpoint hooks' data (``loops.task``: ``saved_data``; the restoring side
 is ``restore_task_data`` / ``restore_callback_data``). Only the primary process writes (and
-runs the save hooks); the others wait at a barrier.
+runs the save hooks); the others wait at a barrier. A sharded state (``hardware.fsdp``) is
+written by every rank, each its own shard (``engine.checkpoint.sharded``: a folder, rank 0
+commits it; the temporary folders of killed writers are removed before the first write to
+a folder), and restored laid out like the fresh state, at any world size; ``"last"`` finds
+committed sharded folders (checked, not read, by rank 0; every rank then loads its shard),
+and an evicted one is deleted only if it is a committed purestep folder inside its
+checkpoint folder.
 
 ``resolve(ckpt_path)`` turns ``"last"`` (the checkpoint with the furthest recorded progress
 that loads as a ``TrainState``, searched in the checkpoint folders, across the loggers'
@@ -38,6 +44,7 @@ import contextlib
 import difflib
 import os
 import signal
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -98,6 +105,7 @@ class Checkpointing:
         # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.
         self._resolved: tuple[str, Any, dict[str, Any]] | None = None
         self._cleaned: set[str] = set()
+        self._cleaned_sharded: set[str] = set()  # folders cleaned of sharded temporaries
         self._save_folders: list[str] = []  # this fit's checkpoint folders (check_writable)
         # The fit's task and datamodule (``fit`` sets them): their hooks' data and the
         # task's hparams go into every checkpoint's metadata (``task.saved_data``).
@@ -144,6 +152,23 @@ class Checkpointing:
 
     def save(self, state: Any, path: str, driver: Any) -> None:
         """Write ``state`` to ``path`` (the driver's checkpointer)."""
+        if _sharded(state):
+            # FSDP: every rank writes its shard (engine.checkpoint.sharded); rank 0 commits.
+            weights_only = isinstance(state, dict) and state.get("weights_only") is True
+            meta = None
+            if self.strategy.is_primary:
+                meta = self.metadata(driver, weights_only=weights_only, state=state)
+                folder = os.path.dirname(ck.storage.filesystem(path)[1]) or "."
+                if folder not in self._cleaned_sharded:  # what killed writers left
+                    self._cleaned_sharded.add(folder)
+                    removed = ck.sharded.remove_partial(folder)
+                    say = getattr(driver, "say", None)
+                    if removed and say is not None:
+                        say(f"Removed {len(removed)} partial sharded checkpoint(s): {removed}")
+            self.wait()
+            ck.sharded.save(state, path, metadata=meta)
+            self.strategy.barrier()
+            return
         if self.strategy.is_primary:
             folder = path.rstrip("/").rsplit("/", 1)[0] if "/" in path else "."
             if folder not in self._cleaned:
@@ -173,6 +198,24 @@ class Checkpointing:
         out), or a symlink there to such a file (``save_last="link"``), is deleted; anything
         else is left alone with a warning (a checkpoint folder may hold what this run did
         not write)."""
+        local = ck.storage.filesystem(path)[1] if ck.storage.is_local_url(path) else None
+        sharded = local is not None and ck.sharded.is_sharded_checkpoint(local)
+        if sharded and not os.path.islink(local):
+            # a sharded checkpoint (FSDP): only a committed purestep folder of this run's
+            folder = os.path.realpath(ck.storage.filesystem(self._folder_of(path))[1])
+            parent = os.path.realpath(os.path.dirname(local))
+            if not _inside(parent, folder):
+                warnings.warn(
+                    f"not deleting {path}: its folder is {parent}, outside the checkpoint "
+                    f"folder {folder}",
+                    stacklevel=2,
+                )
+                return
+            try:
+                ck.sharded.remove(local)
+            except ck.CheckpointError as err:
+                warnings.warn(f"not deleting {path}: {err}", stacklevel=2)
+            return
         if ck.storage.is_local_url(path):
             local = ck.storage.filesystem(path)[1]
             reason = _not_ours(local, ck.storage.filesystem(self._folder_of(path))[1])
@@ -332,14 +375,18 @@ class Checkpointing:
                 self.remove_partial(folders, say=say)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                found = ck.load_latest(folders, accept=_resumable)
+                # a sharded folder is checked, not read: restore loads it laid out like fresh
+                found = ck.load_latest(folders, accept=_resumable, tensors=False)
             for w in caught:
                 if say is not None:
                     say(str(w.message))
         if self.strategy.world_size > 1:
             url = self.strategy.broadcast_object(found[0] if found else None, 0)
             if url is not None and found is None:
-                found = (url, *ck.load(url))
+                if ck.sharded.is_sharded_checkpoint(ck.storage.filesystem(url)[1]):
+                    found = (url, None, {})  # every rank loads its shard in restore
+                else:
+                    found = (url, *ck.load(url))
         return found
 
     # ------------------------------------------------------------------ restoring
@@ -348,13 +395,20 @@ class Checkpointing:
         """The state to resume from ``url``, checked against ``fresh`` (a new state of the
         same model and optimizer) and placed on its devices; the loggers are set to
         continue from the checkpoint."""
-        loaded, meta = self._load(url)
+        if ck.sharded.is_sharded_checkpoint(url):
+            self._resolved = None
+            loaded, meta = ck.sharded.load(url, fresh)  # laid out like fresh, at any world size
+        else:
+            loaded, meta = self._load(url)
         if meta.get("weights_only") or not isinstance(loaded, TrainState):
             raise ck.CheckpointError(
                 f"{url} holds weights only and cannot resume training; start from its weights "
                 "with engine.checkpoint.load_weights(state, path, model)"
             )
-        loaded = ck.conform(loaded, fresh, url=url)
+        if not ck.sharded.is_sharded_checkpoint(url):
+            loaded = ck.conform(loaded, fresh, url=url)
+            if _sharded(fresh) and not _sharded(loaded):  # a plain file into FSDP ranks
+                loaded = self.strategy.shard_state(loaded)
         states = meta.get("loggers") or []
         if len(states) == len(self.loggers):
             for logger, logger_state in zip(self.loggers, states):
@@ -371,11 +425,19 @@ class Checkpointing:
         """``fresh`` with the parameters and buffers of ``url`` (a full or weights-only
         checkpoint), checked against and placed like ``fresh``'s (``with_metadata``:
         ``(state, metadata)``)."""
+        if ck.sharded.is_sharded_checkpoint(url):
+            self._resolved = None
+            loaded, meta = ck.sharded.load(url, fresh)
+            part = loaded if isinstance(loaded, dict) else vars(loaded)
+            state = fresh.replace(params=part["params"], buffers=part["buffers"])
+            return (state, meta) if with_metadata else state
         loaded, meta = self._load(url)
         params = loaded["params"] if isinstance(loaded, dict) else loaded.params
         buffers = loaded["buffers"] if isinstance(loaded, dict) else loaded.buffers
         params = ck.conform(params, fresh.params, url=url, what="params")
         buffers = ck.conform(buffers, fresh.buffers, url=url, what="buffers")
+        if _sharded(fresh.params) and not _sharded(params):  # a plain file into FSDP ranks
+            params = self.strategy.shard(params)
         state = fresh.replace(params=params, buffers=buffers)
         return (state, meta) if with_metadata else state
 
@@ -465,6 +527,16 @@ def missing_checkpoint(url: str, fn: str) -> str:
     *others, final = [repr(k) for k in keywords]
     accepted = ", ".join(["a checkpoint path", *others]) + f" or {final}"
     return f"ckpt_path={url!r}: no checkpoint at {url}{hint}; {fn} takes {accepted}"
+
+
+def _sharded(state: Any) -> bool:
+    """Whether ``state`` holds sharded tensors (DTensors: the FSDP strategy's states)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:  # never imported: no state can hold a DTensor
+        return False
+    from purestep.engine.tree import leaves
+
+    return any(isinstance(x, module.DTensor) for x in leaves(state))
 
 
 def _resumable(state: Any, metadata: dict[str, Any]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from purestep import hardware
+from purestep.engine.compile import compile_options
 from purestep.engine.state import TrainState
 
 from . import loop_state, schedule, trainer_eval, trainer_fit
@@ -40,13 +42,15 @@ from .callbacks import EarlyStopping, ModelCheckpoint, ProgressBar, ProgressBarB
 from .config import FLAG_NAMES, LoopConfig
 from .driver import Driver
 from .events import Stage
-from .fit import FitLoop
+from .fit import FitLoop, grad_norm_type
 from .loggers import create_loggers
+from .profiling import Monitor, Profiler, resolve
 from .resume import Checkpointing
 from .task import DataModule, Task
 from .trainer_args import add_argparse_args, defaults_from_env, from_argparse_args
 from .trainer_data import TRAIN_MODES
 from .trainer_run import TrainerStatus, entry_point, local_log_dir
+from .tuning.flags import check_auto_flags
 
 __all__ = ["Trainer", "TrainerStatus"]
 
@@ -70,6 +74,15 @@ class Trainer:
     ``on_exception`` sees the latest state rather than the last commit point; False keeps
     every state immutable.
 
+    ``compile`` (default False): True, an ``engine.compile.CompileOptions`` or a dict of its
+    fields compiles fit's train and validation steps whole (``engine.compile``: forward,
+    backward and optimizer update as one graph; compile time is paid on the first batches).
+
+    ``track_grad_norm`` (Lightning's; -1: off): log the p-norm of each parameter's gradient
+    (``grad_<p>_norm/<name>``) and of all of them (``grad_<p>_norm_total``) at each logged
+    step, from the gradients the optimizer uses. ``terminate_on_nan``: stop with
+    ``NonFiniteLossError`` at the first non-finite loss or gradient, before that update.
+
     ``prepare_data_per_node`` (default True): the DataModule's ``prepare_data`` (and the
     task's, if it has one) runs on local rank 0 of every node; False: on global rank 0 only.
     A ``prepare_data_per_node`` attribute of the DataModule or the task wins over the flag.
@@ -78,7 +91,16 @@ class Trainer:
     ``callbacks`` may hold one progress bar (a ``ProgressBarBase``: ``ProgressBar(
     refresh_rate=N)``, ``RichProgressBar()``), used instead of the default bar; it is an
     observer, kept as ``progress_bar_callback`` rather than in ``callbacks``. Passing one
-    with ``enable_progress_bar=False``, or two, is an error.
+    with ``enable_progress_bar=False``, or two, is an error. Monitors
+    (``ThroughputMonitor``, ``DeviceStatsMonitor``: ``loops.profiling.Monitor``) are
+    observers too, kept in ``monitors``.
+
+    ``profiler``: ``"simple"``, ``"advanced"``, ``"pytorch"`` or a ``loops.profiling.
+    Profiler`` (``trainer.profiler``; a ``PassThroughProfiler`` without one) times the loops'
+    actions and reports at the end of each run. ``inference_mode`` (default True): evaluation
+    and prediction steps run under ``torch.inference_mode()``, else ``torch.no_grad()``.
+    ``benchmark``: ``torch.backends.cudnn.benchmark`` for the runs (None: as it is, off under
+    ``deterministic=True`` or ``"warn"``), restored after each.
 
     Read-only properties, with Lightning's meanings: ``status``, ``stage``, ``interrupted``,
     ``current_epoch``, ``global_step``, ``callback_metrics``, ``logged_metrics`` (latest
@@ -132,6 +154,14 @@ class Trainer:
         async_checkpoint: bool = False,
         preemption_signals: Sequence[int] | None = None,
         donate_state: bool = True,
+        profiler: str | Profiler | None = None,
+        benchmark: bool | None = None,
+        inference_mode: bool = True,
+        track_grad_norm: int | float | str = -1,
+        terminate_on_nan: bool = False,
+        compile: bool | dict | None = False,
+        auto_lr_find: bool | str = False,
+        auto_scale_batch_size: bool | str = False,
     ) -> None:
         loop_flags = {
             "max_epochs": max_epochs,
@@ -185,6 +215,22 @@ class Trainer:
                 raise TypeError(f"{name} must be a bool or None, got {value!r}")
         if not isinstance(prepare_data_per_node, bool):
             raise TypeError(f"prepare_data_per_node must be a bool, got {prepare_data_per_node!r}")
+        if benchmark is not None and not isinstance(benchmark, bool):
+            raise TypeError(f"benchmark must be a bool or None, got {benchmark!r}")
+        if benchmark and deterministic:
+            warnings.warn(
+                f"Trainer(deterministic={deterministic!r}, benchmark=True): cuDNN's autotuner "
+                "picks algorithms by timing, so convolutions may not be deterministic; pass "
+                "benchmark=None (deterministic then turns it off) or False",
+                UserWarning,
+                stacklevel=3,
+            )
+        if not isinstance(inference_mode, bool):
+            raise TypeError(f"inference_mode must be a bool, got {inference_mode!r}")
+        # Lightning: the run's profiler (``trainer.profiler``; a PassThroughProfiler without one)
+        self.profiler = resolve(profiler)
+        self.benchmark = benchmark
+        self.inference_mode = inference_mode
         self.strategy = hardware.from_flags(accelerator, devices, strategy, precision)
         self.enable_progress_bar = enable_progress_bar is not False
         self.enable_model_summary = enable_model_summary is not False
@@ -211,8 +257,10 @@ class Trainer:
         self._progress_bar: ProgressBarBase | None = (
             bars[0] if bars else ProgressBar() if self.enable_progress_bar else None
         )
+        # Monitors (throughput, device stats) observe and log, like the bar: not callbacks.
+        self.monitors: list[Monitor] = [cb for cb in given_callbacks if isinstance(cb, Monitor)]
         self.callbacks = _as_callbacks(
-            [cb for cb in given_callbacks if not isinstance(cb, ProgressBarBase)]
+            [cb for cb in given_callbacks if not isinstance(cb, (ProgressBarBase, Monitor))]
         )
         given = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
         if given and not self.enable_checkpointing:
@@ -232,6 +280,16 @@ class Trainer:
         if not isinstance(donate_state, bool):
             raise TypeError(f"donate_state must be a bool, got {donate_state!r}")
         self.donate_state = donate_state
+        # what tune() runs (Lightning 1.5's flags; loops.tuning)
+        self.auto_lr_find, self.auto_scale_batch_size = check_auto_flags(
+            auto_lr_find, auto_scale_batch_size
+        )
+        self.track_grad_norm = grad_norm_type(track_grad_norm)
+        if not isinstance(terminate_on_nan, bool):
+            raise TypeError(f"terminate_on_nan must be a bool, got {terminate_on_nan!r}")
+        self.terminate_on_nan = terminate_on_nan
+        # fit's train and validation steps compiled whole (engine.compile); None: eager
+        self.compile = compile_options(compile)
         self.checkpointing = Checkpointing(
             strategy=self.strategy,
             loggers=self.loggers,
@@ -569,6 +627,38 @@ class Trainer:
         """
         return trainer_eval.predict(
             self, model, dataloaders, datamodule, state, fn, return_predictions, ckpt_path
+        )
+
+    # ------------------------------------------------------------------ tune
+
+    def tune(
+        self,
+        model: Any,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        *,
+        datamodule: DataModule | None = None,
+        state: TrainState | None = None,
+        seed: int = 0,
+        scale_batch_size_kwargs: dict[str, Any] | None = None,
+        lr_find_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """What ``auto_scale_batch_size`` and ``auto_lr_find`` ask for, in that order
+        (Lightning 1.5's ``tune``): ``{"scale_batch_size": size, "lr_find": LRFinder}``,
+        only the entries the flags ask for. Both search on a private trainer and leave this
+        one and ``state`` as they were (``loops.tuning.Tuner``)."""
+        from .tuning import tune
+
+        return tune(
+            self,
+            model,
+            train_dataloaders,
+            val_dataloaders,
+            datamodule=datamodule,
+            state=state,
+            seed=seed,
+            scale_batch_size_kwargs=scale_batch_size_kwargs,
+            lr_find_kwargs=lr_find_kwargs,
         )
 
 

@@ -87,17 +87,8 @@ LIGHTNING_FLAGS: dict[str, str] = {
     "sync_batchnorm": "use strategy=hardware.ddp(sync_batchnorm=True)",
     "distributed_backend": 'use strategy="ddp"',
     "truncated_bptt_steps": _NOT_YET,
-    "stochastic_weight_avg": _NOT_YET,
-    "auto_lr_find": _NOT_YET,
-    "auto_scale_batch_size": _NOT_YET,
-    "track_grad_norm": _NOT_YET,
-    "terminate_on_nan": (
-        f"{_NOT_YET}; EarlyStopping(monitor=..., check_finite=True) stops when the monitored "
-        "metric is NaN or inf, and detect_anomaly=True finds where a NaN comes from"
-    ),
-    "profiler": _NOT_YET,
+    "stochastic_weight_avg": "use callbacks=[StochasticWeightAveraging(swa_lrs=...)]",
     "plugins": f"{_NOT_YET}: pass precision=... or a hardware strategy value as strategy=...",
-    "benchmark": f"{_NOT_YET}; torch.backends.cudnn.benchmark is torch's own global setting",
     "reload_dataloaders_every_epoch": "use reload_dataloaders_every_n_epochs=1",
 }
 

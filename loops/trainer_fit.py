@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from purestep import engine
-from purestep.engine import optim
 from purestep.engine.state import TrainState
 
 from . import schedule
 from .fit import FitLoop
+from .optimization import optimization
 from .task import DataModule, Task, restore_callback_data, restore_task_data
 from .trainer_data import check_fit_data, data_seed, fit_data, prepare_data
 from .trainer_run import TrainerStatus, driver_for, printer, run_context
@@ -45,20 +45,9 @@ def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
 
 
 def fit_optimizer(task: Task, config: Any) -> Any:
-    """The task's optimizer, behind the clipping ``gradient_clip_val`` asks for."""
-    opt = task.configure_optimizers()
-    if not (hasattr(opt, "init") and hasattr(opt, "update")):
-        raise TypeError(
-            "configure_optimizers() must return an engine.optim transform, got "
-            f"{type(opt).__name__}"
-        )
-    clip = config.gradient_clip_val
-    if clip:  # 0 and None mean no clipping, as in Lightning
-        if config.gradient_clip_algorithm == "norm":
-            opt = optim.chain(optim.clip_by_global_norm(clip), opt)
-        else:
-            opt = optim.chain(optim.clip_by_value(clip), opt)
-    return opt
+    """The task's optimizer, behind the clipping ``gradient_clip_val`` asks for (one
+    optimizer; several are read by ``loops.optimization``)."""
+    return optimization(task, task.get_model(), config).optimizer
 
 
 def fit(
@@ -85,7 +74,8 @@ def fit(
     task.setup("fit")
     strategy = trainer.strategy
     net = strategy.convert_model(task.get_model())
-    opt = fit_optimizer(task, trainer.config)
+    plan = optimization(task, net, trainer.config)
+    opt = plan.optimizer
     owned = state is None  # built here: the loop may update it in place without a copy
     if state is None:
         state = engine.init(net, opt, seed=seed, strategy=strategy)
@@ -112,22 +102,26 @@ def fit(
         config=config,
     )
     validates = task.has("validation_step") and has_val_data
-    step = engine.train_step(
+    step = plan.train_step(
         net,
         task.training_step,
-        opt,
         strategy=strategy,
         accumulate=(
             config.accumulate_grad_batches
             if isinstance(config.accumulate_grad_batches, int)
             else lambda p: schedule.accumulation_factor(config, p.epoch)
         ),
-        grad_norm=False,  # nothing in the loops reads it; callbacks see the gradients
     )
     evaluate_step = (
         engine.eval_step(net, task.validation_step, strategy=strategy) if validates else None
     )
+    if trainer.compile is not None:
+        step = engine.compile.compiled(step, trainer.compile)
+        if evaluate_step is not None:
+            evaluate_step = engine.compile.compiled(evaluate_step, trainer.compile)
     driver = driver_for(trainer, "fit", task, net)
+    if not plan.multi:  # what SWA's BatchNorm pass runs as the forward (loops.callbacks.swa)
+        driver.extra["training_step"] = task.training_step
     driver.elapsed_offset = elapsed
     if url is not None:  # the callbacks' on_load_checkpoint, now that they are known
         state = restore_callback_data(meta, driver.callbacks, state, driver.context, url=url)
@@ -152,6 +146,9 @@ def fit(
         reload_val=val_loaders if validates else None,
         hparams=task.hparams or None,
         donate=trainer.donate_state,
+        schedulers=plan.schedulers,
+        track_grad_norm=trainer.track_grad_norm,
+        terminate_on_nan=trainer.terminate_on_nan,
     )
     trainer._loop = loop
     try:

@@ -178,7 +178,7 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
         fn=fn,
         callbacks=run_callbacks(trainer, task, fn, messages),
         loggers=trainer.loggers,
-        observers=[*([bar] if bar is not None else []), BatchCounts(counts)],
+        observers=[*([bar] if bar is not None else []), BatchCounts(counts), *trainer.monitors],
         config=trainer.config,
         strategy=trainer.strategy,
         log_dir=shared_log_dir(trainer),
@@ -189,6 +189,8 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
         exists=_exists,
         clock=trainer._clock,
         extra={"model": model, "num_loggers": len(trainer.loggers)},
+        profiler=trainer.profiler,
+        inference_mode=trainer.inference_mode,
         **({"printer": trainer._printer} if trainer._printer is not None else {}),
     )
     for message in messages:
@@ -199,8 +201,14 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
 
 @contextlib.contextmanager
 def run_context(trainer: Trainer) -> Iterator[None]:
-    """``deterministic`` and ``detect_anomaly`` for the duration of a run, then restored."""
+    """``deterministic``, ``detect_anomaly`` and ``benchmark`` (``torch.backends.cudnn.
+    benchmark``; left as it is when None, except that ``deterministic=True`` or ``"warn"``
+    turns it off, as in Lightning) for the duration of a run, then restored."""
     deterministic, detect_anomaly = trainer.deterministic, trainer.detect_anomaly
+    benchmark = trainer.benchmark
+    if benchmark is None and deterministic:  # True or "warn", as in Lightning
+        benchmark = False
+    previous_benchmark = torch.backends.cudnn.benchmark
     previous_det = torch.are_deterministic_algorithms_enabled()
     previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     previous_anomaly = torch.is_anomaly_enabled()
@@ -212,6 +220,8 @@ def run_context(trainer: Trainer) -> Iterator[None]:
             )
         if detect_anomaly:
             torch.autograd.set_detect_anomaly(True)
+        if benchmark is not None:
+            torch.backends.cudnn.benchmark = benchmark
         yield
     finally:
         # restore only what was changed: the first use_deterministic_algorithms call of
@@ -220,6 +230,7 @@ def run_context(trainer: Trainer) -> Iterator[None]:
             torch.use_deterministic_algorithms(previous_det, warn_only=previous_warn)
         if detect_anomaly:
             torch.autograd.set_detect_anomaly(previous_anomaly, check_nan=previous_anomaly_nan)
+        torch.backends.cudnn.benchmark = previous_benchmark
 
 
 def _exists(url: str) -> bool:

@@ -13,6 +13,7 @@ import functools
 import glob
 import os
 import re
+import sys
 import textwrap
 
 import pytest
@@ -76,6 +77,9 @@ PRECISION = "from purestep import hardware"
 CHECKPOINT = "from purestep import checkpoint"
 PROPERTY_TEST = "from hypothesis import given"
 CALLBACK = "from purestep.loops.callbacks import Callback"
+FROM_TORCH = "import functools"
+GAN = "from purestep import Task, Trainer, optim"
+COMPILE = "from purestep.engine.compile import CompileOptions"
 
 
 def _readme_order(prefixes: list[str]) -> list[str]:
@@ -217,6 +221,49 @@ def test_the_property_test_example_passes():
     ns["test_my_loop_steps_like_fit"]()
 
 
+@pytest.mark.bitwise
+@runs(FROM_TORCH)
+def test_the_from_torch_example_steps_as_torch_s_nadam():
+    import torch.nn.functional as F
+
+    from purestep.engine.optim import PartitionState
+
+    torch.manual_seed(0)
+    ns: dict = {}
+    _run(FROM_TORCH, ns)
+    torch.manual_seed(0)
+    w, b = torch.randn(3, 2), torch.zeros(3)  # the block's params, drawn again
+    hand = torch.optim.NAdam(
+        [{"params": [b], "weight_decay": 0.0}, {"params": [w]}],
+        lr=ns["optim"].schedules.cosine(2e-3, 1000)(0),
+        weight_decay=0.01,
+    )
+    w.grad, b.grad = torch.ones(3, 2), torch.ones(3)
+    hand.step()
+    assert torch.equal(ns["params"]["w"], w) and torch.equal(ns["params"]["b"], b)
+    state = ns["opt_state"]
+    assert isinstance(state, PartitionState) and list(state.inner_states) == ["no_decay", "pg2"]
+    from purestep import Trainer
+
+    trainer = Trainer(
+        max_steps=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(4, 3), torch.randint(0, 2, (4,))), batch_size=4)
+    trained = trainer.fit(
+        torch.nn.Linear(3, 2),
+        lambda apply, b: F.cross_entropy(apply(b[0]), b[1]),
+        ns["nadam_1e3"],
+        data,
+    )
+    assert trained.opt_state.name == "NAdam" and float(trained.opt_state.hyperparams["lr"]) == 1e-3
+
+
 def test_predict_without_a_predict_step_is_what_the_readme_says():
     """``predict`` with no ``predict_step``: the module on the inputs; a dict batch is a
     clear error (the Trainer bullet about predict)."""
@@ -273,6 +320,119 @@ def test_predict_without_a_predict_step_is_what_the_readme_says():
     with pytest.raises(TypeError, match="^mine") as caught:
         trainer.predict(WithPredict(torch.nn.Linear(8, 3)), DataLoader(Dicts(), batch_size=2))
     assert "no predict_step" not in str(caught.value)
+
+
+PROFILING = "from purestep.loops.profiling import parse_report"
+
+
+@runs(GAN)
+def test_the_gan_in_the_trainer_block(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    _run(GAN, ns)
+    state, trainer = ns["state"], ns["trainer"]
+    assert state.opt_state.steps == {"disc": 32, "gen": 16} and trainer.global_step == 16
+    assert capsys.readouterr().out.strip().endswith("{'disc': 32, 'gen': 16} 16")
+    from purestep.engine import optim
+
+    assert optim.injected_values(state.opt_state.states["gen"], "lr") == [1e-4]  # epoch 1
+    assert optim.injected_values(state.opt_state.states["disc"], "lr") == [2e-4]
+    assert glob.glob("runs/gan/**/*.ckpt", recursive=True)
+
+
+@runs(PROFILING)
+def test_the_profiling_example_reports_the_actions_and_logs_the_monitors(capsys):
+    pytest.importorskip("psutil")
+    ns: dict = {}
+    _run(PROFILING, ns)
+    trainer, report = ns["trainer"], ns["report"]
+    path = trainer.profiler.report_path
+    assert path == os.path.join(trainer.log_dir, "fit-profile.txt") and "runs/profiled" in path
+    assert report["optimizer_step"]["Num calls"] == trainer.global_step == 16
+    assert report["[FitLoop].train_dataloader_next"]["Num calls"] == 16
+    assert report["run_training_epoch"]["Num calls"] == 2
+    assert "Profiler Report (fit)" in capsys.readouterr().err  # "prints the table at the end"
+    logged = trainer.logged_metrics
+    assert logged["train/device/samples_per_sec"] > 0 and logged["train/samples"] > 0
+    assert "DeviceStatsMonitor.on_train_batch_end/process_rss_bytes" in logged
+
+
+FSDP_EXAMPLE = "# fsdp_example.py: run it as a script"
+
+
+@pytest.mark.timeout(240)
+@runs(FSDP_EXAMPLE)
+def test_the_fsdp_example_trains_on_two_ranks_and_continues_on_one(tmp_path, monkeypatch, capsys):
+    """The block as the script it says it is, in this process (no interpreter to start): its
+    module imported from a file (the spawned ranks import ``train`` from it), then its
+    ``__main__`` part run in that module's namespace."""
+    import importlib
+
+    blocks = _matching(FSDP_EXAMPLE)
+    assert len(blocks) == 1
+    _RAN.append(FSDP_EXAMPLE)
+    (tmp_path / "fsdp_example.py").write_text(blocks[0])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, main = blocks[0].split('if __name__ == "__main__":\n')
+    try:
+        module = importlib.import_module("fsdp_example")
+        capsys.readouterr()
+        exec(textwrap.dedent(main), vars(module))
+    finally:
+        sys.modules.pop("fsdp_example", None)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines[-3:] == ["[3, 3]", "[5]", "5 1"], lines  # what the comments say
+    assert {"COMMITTED", "purestep.json", ".metadata"} <= set(os.listdir(tmp_path / "fsdp.ckpt"))
+
+
+TUNER = "from purestep import Trainer, Tuner, optim"
+AVERAGING = "from purestep.loops.callbacks import EMA, PredictionWriter"
+
+
+@pytest.mark.bitwise
+@runs(TUNER, AVERAGING)
+def test_the_tuner_averaging_and_writer_examples_do_what_the_readme_says(monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    assert _readme_order([AVERAGING, TUNER]) == [TUNER, AVERAGING]  # the second uses the first
+    ns: dict = {}
+    _run(TUNER, ns)
+    task, dm, finder, state = ns["task"], ns["dm"], ns["finder"], ns["state"]
+    assert ns["size"] == dm.batch_size == 8  # "2, 4, 8 ran: 8"
+    assert task.lr == finder.suggestion() and os.path.getsize("lr_find.png") > 0
+    assert len(finder.results["lr"]) == len(finder.results["loss"]) <= 40
+    # "from the very state the searches started from": the same fit on a trainer that ran
+    # no search ends bitwise the same
+    tr = ns["Trainer"](max_epochs=2, enable_progress_bar=False, logger=False)
+    by_hand = tr.fit(task, datamodule=dm)
+    for k in state.params:
+        assert torch.equal(state.params[k], by_hand.params[k]), k
+    capsys.readouterr()
+
+    _run(AVERAGING, ns)
+    state, ema = ns["state"], ns["ema"]
+    assert state.callbacks["StochasticWeightAveraging"]["n_averaged"] == 2  # "epochs 3 and 4"
+    assert set(ema) == set(state.params)
+    assert any(not torch.equal(ema[k], state.params[k]) for k in ema)
+    logits = ns["logits"]
+    assert logits.shape == (512, 2) and "torch.Size([512, 2])" in capsys.readouterr().out
+    from purestep.engine import to_module
+
+    model = to_module(state, ns["net"]).eval()
+    with torch.no_grad():
+        want = model(ns["points"].tensors[0])  # "row k: sample k of `points`"
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+@runs(COMPILE)
+def test_the_compile_block_compiles_one_graph_and_keeps_the_state(capsys):
+    ns: dict = {}
+    _run(COMPILE, ns)
+    step, state = ns["step"], ns["state"]
+    assert step.compilations == 1 and state.progress.step == 10
+    assert ns["evaluate"].compilations == 1
+    assert "compiled in" in capsys.readouterr().out
 
 
 def test_every_readme_python_block_is_run_by_a_test():

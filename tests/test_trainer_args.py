@@ -164,14 +164,8 @@ LIGHTNING_HINTS = {
     "sync_batchnorm": "hardware.ddp(sync_batchnorm=True)",
     "distributed_backend": 'strategy="ddp"',
     "truncated_bptt_steps": "not available yet",
-    "stochastic_weight_avg": "not available yet",
-    "auto_lr_find": "not available yet",
-    "auto_scale_batch_size": "not available yet",
-    "track_grad_norm": "not available yet",
-    "terminate_on_nan": "not available yet",
-    "profiler": "not available yet",
+    "stochastic_weight_avg": "StochasticWeightAveraging(swa_lrs=...)",
     "plugins": "not available yet",
-    "benchmark": "not available yet",
     "reload_dataloaders_every_epoch": "reload_dataloaders_every_n_epochs=1",
 }
 
