@@ -462,8 +462,10 @@ class CompiledTrainStep(TrainStep):
                     zip(names, torch._foreach_add([acc[n] for n in names], list(grads.values())))
                 )
             norms = inner._tensor_norms(grads)
+            # the gradients the caller sees, as they were before the update: the optimizer
+            # owns ``grads`` and may write its moments into them in place (owning_updates)
+            kept = {n: g.clone() for n, g in grads.items()} if keep_grads else {}
             new_trainable, new_opt = inner._traced_update(params, grads, opt_state, norms)
-            kept = grads if keep_grads else {}
             return new_trainable, new_opt, new_buffers, kept, loss, metrics, norms
 
         _mark_dynamic(_source_names(state.opt_state, _OPT_SOURCE))

@@ -215,6 +215,12 @@ class FSDP(DDP):
 
     # ------------------------------------------------------------------ steps
 
+    def gradient_norms(self, tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+        """The ``ord``-norms of the full gradients whose shards are ``tensors`` (the train
+        step hands out this rank's shards): the loop's ``track_grad_norm`` logs these, the
+        same on every rank (one all-reduce)."""
+        return sharding.global_norms(list(tensors), ord)
+
     def build_train_step(self, model: Any, loss_fn: Any, optimizer: Any, **kwargs: Any) -> Any:
         if kwargs.get("grad", "autograd") != "autograd":
             raise ValueError("fsdp supports grad='autograd' only (not torch.func / vmap)")

@@ -601,10 +601,16 @@ class FitLoop:
         tensors = list(values.values())
         # A float16 overflow (``grads.finite`` False) is the loss scaler's routine: the
         # update is skipped and the scale lowered, so it is no reason to stop.
+        drv = self.driver
         if self.terminate_on_nan and getattr(grads, "finite", True):
             finite = [bool(torch.isfinite(t).all()) for t in tensors]
-            if not all(finite):
-                bad = [n for n, ok in zip(names, finite) if not ok]
+            # sharded gradients (FSDP): a NaN may sit in one rank's shard only; every rank
+            # stops together, not one while the others wait in the next collective
+            stop = not all(finite)
+            if drv.world_size > 1:
+                stop = drv.strategy.reduce_flag(stop, "any")
+            if stop:
+                bad = [n for n, ok in zip(names, finite) if not ok] or "another rank's shards"
                 raise NonFiniteLossError(
                     f"terminate_on_nan: detected nan and/or inf values in the gradients of "
                     f"{bad} ({self._where()}); training stopped before the optimizer update, "
@@ -613,7 +619,8 @@ class FitLoop:
         p = self.grad_norm_p
         if p is None:
             return
-        norms = torch._foreach_norm(tensors, p)
+        sharded = getattr(drv.strategy, "gradient_norms", None)  # FSDP: of whole gradients
+        norms = sharded(tensors, p) if sharded is not None else torch._foreach_norm(tensors, p)
         prefix = f"grad_{p}_norm"
         found = self._grad_norm_values
         found.pop(f"{prefix}_total", None)

@@ -75,6 +75,13 @@ def fit(
     strategy = trainer.strategy
     net = strategy.convert_model(task.get_model())
     plan = optimization(task, net, trainer.config)
+    if trainer.compile is not None and plan.multi:
+        raise ValueError(
+            "Trainer(compile=...) does not support several optimizers or manual "
+            f"optimization ({type(task).__name__}: optimizers {plan.names}, "
+            f"automatic_optimization={not plan.manual}); use compile=False, or one "
+            "optimizer with automatic optimization"
+        )
     opt = plan.optimizer
     owned = state is None  # built here: the loop may update it in place without a copy
     if state is None:
@@ -122,6 +129,12 @@ def fit(
     driver = driver_for(trainer, "fit", task, net)
     if not plan.multi:  # what SWA's BatchNorm pass runs as the forward (loops.callbacks.swa)
         driver.extra["training_step"] = task.training_step
+    elif not plan.manual:  # several optimizers: the first one's step, backward skipped
+
+        def first_optimizer_step(apply: Any, batch: Any) -> Any:
+            return task.training_step(apply, batch, 0)
+
+        driver.extra["training_step"] = first_optimizer_step
     driver.elapsed_offset = elapsed
     if url is not None:  # the callbacks' on_load_checkpoint, now that they are known
         state = restore_callback_data(meta, driver.callbacks, state, driver.context, url=url)

@@ -27,7 +27,7 @@ from torch.optim import swa_utils
 
 from ..events import NOTHING, Context, Requests, Stage
 from .base import Callback
-from .swa import average_update
+from .swa import average_update, conform
 
 __all__ = ["EMA"]
 
@@ -99,7 +99,8 @@ class EMA(Callback):
         else the keys are the parameters' names as they are)."""
         return _keyed(stored) if self.use_buffers else stored
 
-    def _as_request(self, average: dict[Any, Any]) -> dict[str, Any]:
+    def _as_request(self, average: dict[Any, Any], state: Any) -> dict[str, Any]:
+        average = conform(average, self._weights(state))  # as a sharded checkpoint left it
         if not self.use_buffers:
             return {"params": average}
         return {
@@ -127,10 +128,10 @@ class EMA(Callback):
     def _swap_in(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
         if not self.evaluate_with_average or state["average"] is None:
             return state, NOTHING
-        current = self._as_request(self._weights(ctx.state))
+        current = self._as_request(self._weights(ctx.state), ctx.state)
         return (
             {**state, "stash": current},
-            Requests(weights=self._as_request(self._keyed(state["average"]))),
+            Requests(weights=self._as_request(self._keyed(state["average"]), ctx.state)),
         )
 
     def _swap_out(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
@@ -153,7 +154,7 @@ class EMA(Callback):
     def on_train_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
         if not self.apply_at_end or state["average"] is None or ctx.stage == Stage.SANITY_CHECK:
             return state, NOTHING
-        return state, Requests(weights=self._as_request(self._keyed(state["average"])))
+        return state, Requests(weights=self._as_request(self._keyed(state["average"]), ctx.state))
 
 
 # The state keeps string keys (checkpoints store plain dicts): ("p", name) <-> "p:name".

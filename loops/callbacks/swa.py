@@ -44,13 +44,36 @@ from purestep.engine.optim.multi import find_injected
 from ..events import NOTHING, Context, Requests
 from .base import Callback
 
-__all__ = ["StochasticWeightAveraging", "average_update", "has_batchnorm", "recompute_batchnorm"]
+__all__ = [
+    "StochasticWeightAveraging",
+    "average_update",
+    "conform",
+    "has_batchnorm",
+    "recompute_batchnorm",
+]
 
 AvgFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MultiAvgFn = Callable[[list[torch.Tensor], list[torch.Tensor], Any], None]
 
 #: ``fold_in`` datum of the key the BatchNorm pass's forward calls draw from (dropout).
 _BN_KEY = "swa_batchnorm"
+
+
+def conform(average: Mapping[Any, torch.Tensor], weights: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``average`` laid out like ``weights`` where a checkpoint changed its layout: a sharded
+    checkpoint restores callback state as full plain tensors (``engine.checkpoint.sharded``),
+    so an average of FSDP's DTensor parameters comes back whole on every rank; each rank
+    keeps its own shard again (no communication: every rank holds the whole tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = dict(average)
+    for k, v in average.items():
+        w = weights.get(k)
+        if isinstance(w, DTensor) and not isinstance(v, DTensor):
+            out[k] = distribute_tensor(
+                v.detach().to(w.device), w.device_mesh, w.placements, src_data_rank=None
+            )
+    return out
 
 
 def average_update(
@@ -76,7 +99,8 @@ def average_update(
     missing = sorted(set(moved) ^ set(average))
     if missing:
         raise KeyError(f"the average and the weights differ in {missing}")
-    # where the average lives: a resumed run's checkpoint loads it on the CPU
+    # where the average lives: a resumed run's checkpoint loads it on the CPU (and whole)
+    average = conform(average, moved)
     out = {k: average[k].detach().to(moved[k].device, copy=True) for k in moved}
     if avg_fn is not None and multi_avg_fn is None:
         for k, v in moved.items():
@@ -293,6 +317,18 @@ class StochasticWeightAveraging(Callback):
     def on_fit_start(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
         max_epochs = self._max_epochs(ctx)
         self._targets(len(self._current_lrs(ctx.state.opt_state)))  # fail before step 1
+        model = ctx.extra.get("model")
+        if (
+            has_batchnorm(model)
+            and ctx.extra.get("training_step") is None
+            and type(model).forward is nn.Module.forward
+        ):
+            raise ValueError(
+                "StochasticWeightAveraging recomputes the BatchNorm statistics at the end, but "
+                f"the model ({type(model).__name__}) has no forward and the training step "
+                "cannot stand in for it (manual optimization): give the model a forward, or "
+                "use a model without BatchNorm"
+            )
         start, end = self.bounds(max_epochs)
         if start > end:
             raise ValueError(
@@ -347,7 +383,7 @@ class StochasticWeightAveraging(Callback):
             return state, NOTHING
         params = {
             k: v.to(ctx.state.params[k].device, ctx.state.params[k].dtype)
-            for k, v in state["average"].items()
+            for k, v in conform(state["average"], ctx.state.params).items()
         }
         weights: dict[str, Any] = {"params": params}
         model = ctx.extra.get("model")
