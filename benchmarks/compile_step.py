@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import os
 import statistics
 import subprocess
@@ -61,6 +60,7 @@ if __name__ == "__main__" and "--quick" not in sys.argv:
 
 import torch
 import torch.nn.functional as F
+from step_overhead import loss_fn, make_batches, mlp  # the same models and batches
 from torch import nn
 
 from purestep import engine
@@ -81,31 +81,6 @@ SIZES = {
 QUICK = {"small": (3, 2, 5), "mid": (2, 2, 1)}
 #: --quick's stand-in for the mid model (compiling the real one takes long)
 QUICK_MID = ([64, 64, 64, 10], 16)
-
-
-def mlp(widths: list[int]) -> nn.Module:
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(itertools.pairwise(widths)):
-        if i:
-            layers.append(nn.ReLU())
-        layers.append(nn.Linear(a, b))
-    return nn.Sequential(*layers)
-
-
-def make_batches(widths: list[int], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(batch, widths[0], generator=g),
-            torch.randint(0, widths[-1], (batch,), generator=g),
-        )
-        for _ in range(N_BATCHES)
-    ]
-
-
-def loss_fn(apply: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
 
 
 class Hand:

@@ -67,8 +67,8 @@ from .step import (
     PredictStep,
     StepOutput,
     TrainStep,
-    _advance,
     _raise_params_modified,
+    advance_progress,
     modified_in_place,
     owned_gradients,
 )
@@ -685,7 +685,7 @@ class CompiledTrainStep(TrainStep):
         new_state = state.replace(
             params=fused.params,
             opt_state=fused.opt_state,
-            progress=_advance(state.progress, grads.batch_size, True),
+            progress=advance_progress(state.progress, grads.batch_size, True),
             grad_accum=None,
         )
         return new_state, output.replace(grad_norms=fused.norms)

@@ -365,7 +365,7 @@ def _kept_if_nonfinite(
     }
 
 
-def _advance(progress: Progress, samples: int, stepped: bool) -> Progress:
+def advance_progress(progress: Progress, samples: int, stepped: bool) -> Progress:
     """The counters after one micro-batch of ``samples`` (closing its window if ``stepped``)."""
     if stepped:
         return progress.replace(
@@ -610,7 +610,7 @@ class TrainStep:
             params=new_params,
             buffers=buffers,
             opt_state=opt_state,
-            progress=_advance(state.progress, grads.batch_size, True),
+            progress=advance_progress(state.progress, grads.batch_size, True),
             grad_accum=None,
         )
         reported = norms if self.compute_grad_norm else None
@@ -696,7 +696,9 @@ class TrainStep:
     ) -> tuple[TrainState, Gradients]:
         """The step of a micro-batch that leaves its accumulation window open."""
         new_state = state.replace(
-            buffers=buffers, grad_accum=grads, progress=_advance(state.progress, samples, False)
+            buffers=buffers,
+            grad_accum=grads,
+            progress=advance_progress(state.progress, samples, False),
         )
         return new_state, Gradients(None, True, output, samples)
 

@@ -47,6 +47,7 @@ from purestep.engine.step import (
     Gradients,
     StepOutput,
     TrainStep,
+    advance_progress,
     batch_size,
     detached,
     split_output,
@@ -93,23 +94,6 @@ class MultiOptimizer:
 
     def update(self, *args: Any) -> Any:  # pragma: no cover - the steps use each optimizer
         raise TypeError("MultiOptimizer is stepped by MultiStep, one optimizer at a time")
-
-
-def _advance(progress: Any, samples: int, stepped: bool) -> Any:
-    if stepped:
-        return progress.replace(
-            step=progress.step + 1,
-            batch_in_epoch=progress.batch_in_epoch + 1,
-            total_batches=progress.total_batches + 1,
-            samples=progress.samples + samples,
-            micro_step=0,
-        )
-    return progress.replace(
-        batch_in_epoch=progress.batch_in_epoch + 1,
-        total_batches=progress.total_batches + 1,
-        samples=progress.samples + samples,
-        micro_step=progress.micro_step + 1,
-    )
 
 
 class MultiStep:
@@ -290,7 +274,7 @@ class MultiStep:
             stepped = end_window
             combined = _combine(outs, None, self.names, called)
         n = batch_size(batch)
-        state = state.replace(progress=_advance(progress, n, stepped))
+        state = state.replace(progress=advance_progress(progress, n, stepped))
         return state, combined.replace(stepped=stepped)
 
     def __call__(self, state: TrainState, batch: Any, *, batch_idx: int = 0) -> Any:
