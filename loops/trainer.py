@@ -548,7 +548,8 @@ class Trainer:
         the same command after a preemption resumes it).
 
         ``fit(task, train_dataloaders=..., val_dataloaders=...)``, ``fit(task,
-        datamodule=dm)`` or ``fit(model, loss_fn, optimizer, train, val)``. ``state``
+        datamodule=dm)``, ``fit(task)`` with the task's own ``train_dataloader()`` /
+        ``val_dataloader()``, or ``fit(model, loss_fn, optimizer, train, val)``. ``state``
         continues from an existing state (e.g. a restored checkpoint); otherwise the state
         is built from the model with ``seed``. Validation runs when the task defines
         ``validation_step`` and there is validation data.

@@ -26,8 +26,10 @@ __all__ = [
     "data_seed",
     "eval_data",
     "fit_data",
+    "loader_source",
     "overrides",
     "prepare_data",
+    "task_defines",
     "train_data",
 ]
 
@@ -38,6 +40,27 @@ TRAIN_MODES = ("max_size_cycle", "min_size", "max_size")
 def overrides(obj: Any, method: str) -> bool:
     """Whether a ``DataModule`` defines ``method`` itself (e.g. ``val_dataloader``)."""
     return getattr(type(obj), method, None) is not getattr(DataModule, method)
+
+
+def task_defines(task: Any, method: str) -> bool:
+    """Whether a Task defines the dataloader hook ``method`` (``train_dataloader``,
+    ``val_dataloader``, ...), as a LightningModule may: ``Task`` itself has none."""
+    return task is not None and callable(getattr(task, method, None))
+
+
+def loader_source(
+    given: Any, datamodule: DataModule | None, task: Any, method: str
+) -> Callable[[], Any] | None:
+    """Who supplies one kind of dataloader, Lightning's precedence: the dataloaders passed
+    to the call, else the DataModule's ``method`` when it defines it, else the Task's own
+    ``method``; None when nobody does. What it returns is asked again at each reload."""
+    if given is not None:
+        return lambda: given
+    if datamodule is not None and overrides(datamodule, method):
+        return getattr(datamodule, method)
+    if task_defines(task, method):
+        return getattr(task, method)
+    return None
 
 
 def data_seed(state: TrainState) -> int:
@@ -53,7 +76,10 @@ def train_data(data: Any, seed: int, *, strategy: Any, mode: str, config: Any) -
     """The training source: one loader, or several combined with ``mode``
     (``multiple_trainloader_mode``); in order when the loop flags need it (overfitting)."""
     if data is None:
-        raise ValueError("fit needs training data: pass train_dataloaders or a datamodule")
+        raise ValueError(
+            "fit needs training data: pass train_dataloaders or a datamodule, or define "
+            "train_dataloader() on the Task"
+        )
     if isinstance(data, (dict, list)) or (isinstance(data, tuple) and not is_tensor_tuple(data)):
         batches: Batches = combine(data, mode, **_shard(strategy, seed))
     else:
@@ -135,30 +161,33 @@ def data_for(
     dataloaders: Any,
     datamodule: DataModule | None,
     getter: str,
-) -> Any:
-    """The dataloaders of an evaluation run: the ones given, or ``datamodule.<getter>()``
-    after ``prepare_data`` (``prepare_data`` above, the task's too) and ``setup(name)``."""
+) -> Callable[[], Any]:
+    """The dataloaders of an evaluation run, to ask for once the task is set up: runs
+    ``prepare_data`` (above, the task's too) and ``datamodule.setup(name)`` now, and returns
+    what gives the ones passed, else ``datamodule.<getter>()``, else the Task's own
+    ``<getter>()`` (None when nobody defines one)."""
     if datamodule is not None and dataloaders is not None:
         raise TypeError("pass either dataloaders or a datamodule, not both")
     prepare_data(trainer, task, datamodule)
     if datamodule is not None:
         datamodule.setup(name)
-        dataloaders = getattr(datamodule, getter)()
-    return dataloaders
+    load = loader_source(dataloaders, datamodule, task, getter)
+    return load if load is not None else lambda: None
 
 
-def check_fit_data(train: Any, val: Any, datamodule: DataModule | None) -> bool:
-    """Refuse fit data that cannot train; return whether there is validation data."""
+def check_fit_data(train: Any, val: Any, datamodule: DataModule | None, task: Any = None) -> bool:
+    """Refuse fit data that cannot train; return whether there is validation data (passed,
+    the DataModule's or the Task's own ``val_dataloader``)."""
     if datamodule is not None and not isinstance(datamodule, DataModule):
         raise TypeError(f"datamodule must be a DataModule, got {type(datamodule).__name__}")
     if datamodule is not None and (train is not None or val is not None):
         raise TypeError("pass either dataloaders or a datamodule, not both")
-    if train is None and (datamodule is None or not overrides(datamodule, "train_dataloader")):
+    if loader_source(train, datamodule, task, "train_dataloader") is None:
         raise ValueError(
-            "fit needs training data: pass train_dataloaders or a datamodule that defines "
-            "train_dataloader()"
+            "fit needs training data: pass train_dataloaders, or a datamodule that defines "
+            "train_dataloader(), or define train_dataloader() on the Task"
         )
-    return val is not None or (datamodule is not None and overrides(datamodule, "val_dataloader"))
+    return loader_source(val, datamodule, task, "val_dataloader") is not None
 
 
 def fit_data(
@@ -170,16 +199,20 @@ def fit_data(
     strategy: Any,
     mode: str,
     config: Any,
+    task: Any = None,
 ) -> tuple[Callable[[], Batches], Callable[[], list[Batches]]]:
     """fit's ``(train_loader, val_loaders)``: what the loop calls at the start and at each
-    reload (``reload_dataloaders_every_n_epochs``), asking the datamodule again each time."""
+    reload (``reload_dataloaders_every_n_epochs``), asking the owner (the datamodule, or
+    the Task's own hooks) again each time."""
+    train_source = loader_source(train, datamodule, task, "train_dataloader")
+    val_source = loader_source(val, datamodule, task, "val_dataloader")
 
     def train_loader() -> Batches:
-        data = datamodule.train_dataloader() if datamodule is not None else train
+        data = train_source() if train_source is not None else None
         return train_data(data, seed, strategy=strategy, mode=mode, config=config)
 
     def val_loaders() -> list[Batches]:
-        data = datamodule.val_dataloader() if datamodule is not None else val
+        data = val_source() if val_source is not None else None
         return eval_data(
             data, seed, strategy=strategy, sequential=schedule.sequential_order(config)
         )

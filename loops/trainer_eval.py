@@ -124,13 +124,16 @@ def evaluate(
     if not task.has(method):
         raise NotImplementedError(f"{type(task).__name__} does not define {method}()")
     getter = "val_dataloader" if stage == Stage.VALIDATE else "test_dataloader"
-    dataloaders = data_for(trainer, task, name, dataloaders, datamodule, getter)
+    load = data_for(trainer, task, name, dataloaders, datamodule, getter)
     task.setup(name)
+    dataloaders = load()  # after setup, as Lightning asks for them
     strategy = trainer.strategy
     net = strategy.convert_model(task.get_model())
     sources = eval_data(dataloaders, data_seed(state), strategy=strategy)
     if not sources:
-        raise ValueError(f"{name} needs data: pass dataloaders or a datamodule")
+        raise ValueError(
+            f"{name} needs data: pass dataloaders or a datamodule, or define {getter}() on the Task"
+        )
     step = engine.eval_step(net, getattr(task, method), strategy=strategy)
     driver = driver_for(trainer, name, task, net)
     try:
@@ -165,13 +168,17 @@ def predict(
             fn = default_predict
     task, state = eval_target(trainer, model, fn, state, "predict_step", ckpt_path)
     state = from_checkpoint(trainer, ckpt_path, state, "predict", task=task, datamodule=datamodule)
-    dataloaders = data_for(trainer, task, "predict", dataloaders, datamodule, "predict_dataloader")
+    load = data_for(trainer, task, "predict", dataloaders, datamodule, "predict_dataloader")
     task.setup("predict")
+    dataloaders = load()  # after setup, as Lightning asks for them
     strategy = trainer.strategy
     net = strategy.convert_model(task.get_model())
     sources = eval_data(dataloaders, data_seed(state), strategy=strategy)
     if not sources:
-        raise ValueError("predict needs data: pass dataloaders or a datamodule")
+        raise ValueError(
+            "predict needs data: pass dataloaders or a datamodule, or define "
+            "predict_dataloader() on the Task"
+        )
     step = engine.predict_step(net, task.predict_step, strategy=strategy)
     driver = driver_for(trainer, "predict", task, net)
     try:

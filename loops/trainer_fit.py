@@ -65,7 +65,7 @@ def fit(
 ) -> TrainState:
     """What ``Trainer.fit`` does (see there)."""
     task = fit_task(model, loss_fn, optimizer)
-    has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule)
+    has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule, task)
     trainer._task = task
     trainer._loop = None
     prepare_data(trainer, task, datamodule)
@@ -107,6 +107,7 @@ def fit(
         strategy=strategy,
         mode=trainer.multiple_trainloader_mode,
         config=config,
+        task=task,
     )
     validates = task.has("validation_step") and has_val_data
     step = plan.train_step(
