@@ -29,7 +29,8 @@ assembling of the new state.
   second graph generic, so no third one follows).
 - *What runs between graphs.* A step whose update needs the host (a ``16-mixed`` loss
   scaler's finite check, several processes' all-reduce, ``inject_hyperparams`` rebuilding
-  its transform from float values, ``skip_nonfinite``) runs as two pieces: the compiled
+  its transform from float values, ``skip_nonfinite``, DP-SGD's noise from a
+  ``torch.Generator`` in ``engine.per_sample``) runs as two pieces: the compiled
   gradient graph, then the eager glue and the optimizer (compiled too when it traces). This
   is automatic; ``step.fused`` says which form runs.
 - *Untraceable loss functions.* With ``fullgraph=True`` (the default) a loss function that

@@ -20,6 +20,10 @@ output depends on the others, so a per-example gradient is not defined (use Grou
 LayerNorm). ``out.loss`` is the mean of the per-example losses; a plain tensor metric is
 averaged over the examples and a ``engine.metrics`` metric merged over them.
 
+``compile=True`` (or a ``CompileOptions``) gives a ``CompiledPerSampleStep``: steps 1 and
+2 as one compiled graph, the noise drawn eagerly as above (bitwise the same noise), then the
+update, compiled when it traces.
+
 Privacy accounting (turning ``s``, the sampling rate and the number of steps into
 ``(epsilon, delta)``) is not done here; the data order decides the sampling.
 """
@@ -35,6 +39,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
+from . import compile as compile_lib
 from . import metrics as metrics_lib
 from . import optim, rng, user_errors
 from .state import TrainState
@@ -52,6 +57,7 @@ from .strategy import Strategy
 from .tree import NAMESPACE
 
 __all__ = [
+    "CompiledPerSampleStep",
     "PerSampleStep",
     "clip_per_sample",
     "clipped_sum",
@@ -211,12 +217,6 @@ class PerSampleStep(TrainStep):
                 "'-true' precision"
             )
 
-    #: Why ``engine.compile`` refuses this step (``CompiledTrainStep.of`` reads it).
-    _compile_unsupported = (
-        "its per-example gradients, clipping and noise run eagerly (the noise is drawn from a "
-        "torch.Generator seeded per step, which does not trace); pass compile=False"
-    )
-
     def __repr__(self) -> str:
         return (
             f"PerSampleStep(model={type(self.model).__name__}, strategy={self.strategy!r}, "
@@ -235,14 +235,31 @@ class PerSampleStep(TrainStep):
         return self._per_sample(state, batch)
 
     def _per_sample(self, state: TrainState, batch: Any) -> tuple:
-        strategy, progress = self.strategy, state.progress
-        key = rng.fold_in(state.rng, rng.Purpose.TRAIN, progress.step, 0, strategy.rank)
+        """Step 1 eagerly: the probe for unused parameters, the step's key, the purity checks
+        around ``_vmapped``."""
+        key = self._train_key(state)
         params, buffers = state.params, state.buffers
         if not self._probed:  # torch.func.grad gives unused parameters zeros silently
             self._probe_unused(params, buffers, batch, key, 1.0, 1)
+        # The buffers are bound as they are (no BatchNorm here): a forward pass that writes
+        # them or the parameters in place is refused, by version counter, after the fact.
+        param_versions = [p._version for p in params.values()]
+        buffer_versions = [b._version for b in buffers.values()]
+        with rng.scope(key, generators=self._rng_generators):
+            grads, losses, metrics = self._vmapped(params, buffers, batch)
+        check_unchanged(params, param_versions, buffers, buffer_versions, "a per-sample step")
+        return grads, losses.detach(), detached(metrics)
+
+    def _train_key(self, state: TrainState) -> int:
+        progress = state.progress
+        return rng.fold_in(state.rng, rng.Purpose.TRAIN, progress.step, 0, self.strategy.rank)
+
+    def _vmapped(self, params: dict, buffers: dict, batch: Any) -> tuple:
+        """``(grads, losses, metrics)`` of every example by ``vmap(grad(...))``: no key, no
+        checks (the caller seeds the generators; a compiled step traces this)."""
         frozen = {n: params[n] for n in self._frozen}
         wrt = self._trainable(params)
-        binder, loss_fn, precision = self.binder, self.loss_fn, strategy.precision
+        binder, loss_fn, precision = self.binder, self.loss_fn, self.strategy.precision
         stage = "per_sample_step (one example, under vmap)"
         split: list[Any] = [None, None, None]  # spec, tensor mask, non-tensor leaves
 
@@ -257,6 +274,8 @@ class PerSampleStep(TrainStep):
                     user_errors.annotate(exc, loss_fn, stage, one)
                     raise
                 loss, metrics = split_output(out, "loss_fn")
+            if not metrics:  # (dynamo cannot trace optree's flattening of an empty dict)
+                return loss_for_grad(loss, 1.0, 1), (loss.reshape(()), [])
             flat, split[0] = optree.tree_flatten(metrics, namespace=NAMESPACE)
             split[1] = [isinstance(x, Tensor) for x in flat]
             split[2] = [x for x in flat if not isinstance(x, Tensor)]
@@ -270,18 +289,19 @@ class PerSampleStep(TrainStep):
             randomness="different",
             chunk_size=self.chunk_size,
         )
-        # The buffers are bound as they are (no BatchNorm here): a forward pass that writes
-        # them or the parameters in place is refused, by version counter, after the fact.
-        param_versions = [p._version for p in params.values()]
-        buffer_versions = [b._version for b in buffers.values()]
-        with rng.scope(key, generators=self._rng_generators):
-            grads, (losses, tensors) = fn(wrt, batch)
-        check_unchanged(params, param_versions, buffers, buffer_versions, "a per-sample step")
+        grads, (losses, tensors) = fn(wrt, batch)
+        if split[0] is None:
+            return dict(grads), losses, {}
         ts, others = iter(tensors), iter(split[2])
         metrics = optree.tree_unflatten(
             split[0], [next(ts) if m else next(others) for m in split[1]]
         )
-        return dict(grads), losses.detach(), detached(metrics)
+        return dict(grads), losses, metrics
+
+    def _clipped(self, state: TrainState, batch: Any) -> tuple:
+        """``(sum of the clipped per-example gradients, losses, metrics)``: steps 1 and 2."""
+        grads, losses, metrics = self._per_sample(state, batch)
+        return clipped_sum(grads, self.max_grad_norm), losses, metrics
 
     def backward(
         self, state: TrainState, batch: Any, *, end_window: bool | None = None
@@ -294,9 +314,8 @@ class PerSampleStep(TrainStep):
             self._first_call(state)
         strategy, progress = self.strategy, state.progress
         batch = strategy.precision.convert_input(strategy.place(batch))
-        grads, losses, metrics = self._per_sample(state, batch)
+        summed, losses, metrics = self._clipped(state, batch)
         n = losses.shape[0]
-        summed = clipped_sum(grads, self.max_grad_norm)
         if self.noise_multiplier > 0:
             std = self.noise_multiplier * self.max_grad_norm / math.sqrt(strategy.world_size)
             key = rng.fold_in(state.rng, rng.Purpose.NOISE, progress.step, strategy.rank)
@@ -337,14 +356,13 @@ def per_sample_step(
     final (noised, averaged) gradient. ``allow_unused``: parameters the loss does not use
     get a zero per-example gradient (then only noise) instead of an error; the check costs
     one ordinary forward and backward pass on the first call. See the module doc for the
-    exact arithmetic. ``compile``: not supported yet (a clear error; see
-    ``PerSampleStep._compile_unsupported``).
+    exact arithmetic. ``compile``: True, a ``CompileOptions`` or a dict of its fields compiles
+    steps 1 and 2 (per-example gradients, clipping, sum) into one graph; the noise is drawn
+    eagerly as without compilation, then the update runs (compiled when it traces). See
+    ``CompiledPerSampleStep``.
     """
-    if compile:
-        raise ValueError(
-            f"per_sample_step(compile=...) is not supported: {PerSampleStep._compile_unsupported}"
-        )
-    return PerSampleStep(
+    options = compile_lib.compile_options(compile)
+    step = PerSampleStep(
         model,
         loss_fn,
         optimizer,
@@ -356,3 +374,60 @@ def per_sample_step(
         chunk_size=chunk_size,
         allow_unused=allow_unused,
     )
+    return step if options is None else compile_lib.CompiledTrainStep.of(step, options)
+
+
+class CompiledPerSampleStep(compile_lib.CompiledTrainStep, PerSampleStep):
+    """A ``PerSampleStep`` in two compiled pieces (``per_sample_step(..., compile=...)``).
+
+    The per-example gradients (``vmap`` over ``torch.func.grad``), their clipping and their
+    sum are one graph; the Gaussian noise is then drawn eagerly from the key-derived
+    ``torch.Generator`` (which does not trace), exactly as the eager step draws it, so the
+    same key gives bitwise the same noise; the optimizer update follows, compiled when it
+    traces (``compilations`` counts both graphs). Dropout inside the graph draws from the
+    generators seeded with the step's key around the call (a pure function of the key; the
+    masks may differ from the eager step's). Compiled and eager steps agree to float32
+    rounding, not bitwise (different kernels); a compiled run repeats bitwise.
+    """
+
+    def _first_call(self, state: TrainState) -> None:
+        super()._first_call(state)
+        self.fused = False  # the noise between gradient and update is drawn eagerly
+
+    def _clipped_graph(self) -> Any:
+        inner, max_norm = self._traced(), self.max_grad_norm
+
+        def per_sample_graph(params, buffers, batch):
+            grads, losses, metrics = inner._vmapped(params, buffers, batch)
+            return clipped_sum(grads, max_norm), losses, metrics
+
+        return self._graph(("per_sample",), per_sample_graph)
+
+    def _clipped(self, state: TrainState, batch: Any) -> tuple:
+        key = self._train_key(state)
+        params, buffers = state.params, state.buffers
+        if not self._probed:
+            self._probe_unused(params, buffers, batch, key, 1.0, 1)
+        graph = self._clipped_graph()
+        param_versions = [p._version for p in params.values()]
+        buffer_versions = [b._version for b in buffers.values()]
+        try:
+            with rng.scope(key, generators=self._rng_generators):
+                summed, losses, metrics = graph(params, buffers, batch)
+        except Exception as exc:
+            if not compile_lib._dynamo_error(exc):
+                raise
+            PerSampleStep._clipped(self, state, batch)  # the loss function's own error, if any
+            from .user_errors import describe_function
+
+            raise compile_lib.CompileError(
+                "torch.compile could not trace the per-example gradients of "
+                f"{describe_function(self.loss_fn)} as one graph (fullgraph=True), though "
+                f"they run eagerly:\n{compile_lib._construct(exc)}\nFallbacks: "
+                "compile=CompileOptions(fullgraph=False), or compile=False."
+            ) from exc
+        check_unchanged(params, param_versions, buffers, buffer_versions, "a per-sample step")
+        return summed, losses.detach(), detached(metrics)
+
+
+compile_lib._COMPILED_CLASSES[PerSampleStep] = CompiledPerSampleStep

@@ -507,17 +507,14 @@ def test_a_compiled_ensemble_matches_its_eager_twin():
     torch.testing.assert_close(outs[-1].grad_norm, outs_e[-1].grad_norm, rtol=RTOL, atol=ATOL)
 
 
-def test_per_sample_steps_refuse_compile_clearly():
-    net = mlp()
-    with pytest.raises(ValueError, match="per_sample_step.*not supported"):
-        engine.per_sample_step(
-            net, loss_fn, optim.sgd(0.1), max_grad_norm=1.0, noise_multiplier=0.0, compile=True
-        )
+def test_an_eager_per_sample_step_compiles_to_its_two_piece_form():
+    # (the compiled DP-SGD step itself is tested in test_compile_per_sample.py)
     eager = engine.per_sample_step(
-        net, loss_fn, optim.sgd(0.1), max_grad_norm=1.0, noise_multiplier=0.0
+        mlp(), loss_fn, optim.sgd(0.1), max_grad_norm=1.0, noise_multiplier=0.0
     )
-    with pytest.raises(ValueError, match="not supported"):
-        engine.compile.compiled(eager)
+    step = engine.compile.compiled(eager, EAGER_BACKEND)
+    assert type(step).__name__ == "CompiledPerSampleStep"
+    assert step.max_grad_norm == 1.0 and step.options.backend == "eager"
 
 
 def test_a_step_class_with_its_own_update_and_no_traced_form_is_refused():
