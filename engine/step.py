@@ -861,42 +861,21 @@ def train_step(
     from .compile import CompiledTrainStep, compile_options
 
     options = compile_options(compile)
-    if strategy is not None:
-        built = strategy.build_train_step(
-            model,
-            loss_fn,
-            optimizer,
-            accumulate=accumulate,
-            donate=donate,
-            grad=grad,
-            allow_unused=allow_unused,
-            grad_norm=grad_norm,
-        )
-        if built is not NotImplemented:
-            return built if options is None else CompiledTrainStep.of(built, options)
-    if options is not None:
-        return CompiledTrainStep(
-            model,
-            loss_fn,
-            optimizer,
-            strategy=strategy,
-            accumulate=accumulate,
-            donate=donate,
-            grad=grad,
-            allow_unused=allow_unused,
-            grad_norm=grad_norm,
-            options=options,
-        )
-    return TrainStep(
-        model,
-        loss_fn,
-        optimizer,
-        strategy=strategy,
+    settings = dict(
         accumulate=accumulate,
         donate=donate,
         grad=grad,
         allow_unused=allow_unused,
         grad_norm=grad_norm,
+    )
+    if strategy is not None:
+        built = strategy.build_train_step(model, loss_fn, optimizer, **settings)
+        if built is not NotImplemented:
+            return built if options is None else CompiledTrainStep.of(built, options)
+    if options is None:
+        return TrainStep(model, loss_fn, optimizer, strategy=strategy, **settings)
+    return CompiledTrainStep(
+        model, loss_fn, optimizer, strategy=strategy, options=options, **settings
     )
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -67,3 +71,21 @@ def digest(t) -> str:
         else:
             h.update(repr(leaf).encode())
     return h.hexdigest()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_job(job: Path, folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run a job script of tests/ in ``folder`` (created) with the repository importable;
+    the kill-and-resume tests start their runs this way."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(job), *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )

@@ -11,13 +11,13 @@ uninterrupted run: no step lost or doubled in the logs.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "resume_job.py"
@@ -26,16 +26,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.bitwise]
 
 
 def _run(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(JOB), *args],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_job(JOB, folder, *args)
 
 
 def _digest(result: subprocess.CompletedProcess) -> str:
