@@ -15,12 +15,17 @@ the call: survivors are terminated (SIGTERM, then SIGKILL), and on Linux every w
 killed by the kernel if the launching process dies (``hardware.pdeathsig``). Forming the
 group is bounded by ``timeout`` (``hardware.group``).
 
+A rank that returns writes its result, destroys its group, joins its non-daemon threads,
+runs its ``atexit`` handlers and ends with ``os._exit(0)``, skipping the interpreter's
+teardown, which can abort a finished gloo rank (see ``_exit_cleanly``).
+
 Threads: each worker runs ``torch.set_num_threads(threads)``; by default 1 unless
 ``OMP_NUM_THREADS`` is set, as ``torchrun`` does, so ranks do not fight over cores.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -28,6 +33,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -121,6 +127,27 @@ def _worker(
         os._exit(1)  # skip interpreter teardown: a dead peer can hang it
     if dist.is_initialized():
         dist.destroy_process_group()
+    _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
+    """End a worker whose result is written, without the interpreter's teardown.
+
+    A gloo worker thread may still be freeing a finished collective's tensors (their
+    Python objects need the GIL) when the process exits; if the interpreter is finalising
+    by then, that thread is stopped inside C++ and the process aborts (SIGABRT) although
+    the rank succeeded. ``destroy_process_group`` does not prevent it while a DeviceMesh
+    still holds the group. So do what teardown would do while the interpreter is whole
+    (join the non-daemon threads, run the ``atexit`` handlers, flush), then ``os._exit(0)``.
+    """
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------- launcher side

@@ -93,6 +93,21 @@ def _hang_on_one(rank: int, folder: str) -> None:
     strategy.all_reduce({"g": torch.ones(3)}, "mean")
 
 
+def _leave_work_for_exit(rank: int, folder: str) -> str:
+    """What interpreter teardown would finish: an ``atexit`` handler and a thread still
+    running when ``fn`` returns (the worker ends with ``os._exit``, after doing both)."""
+    import atexit
+    import threading
+
+    def write(name: str) -> None:
+        with open(os.path.join(folder, f"{name}{rank}"), "w") as f:
+            f.write("done")
+
+    atexit.register(write, "atexit")
+    threading.Thread(target=lambda: (time.sleep(0.5), write("thread"))).start()
+    return "returned"
+
+
 def _sleep(rank: int, folder: str) -> None:
     _record_pid(folder, rank)
     time.sleep(60)
@@ -106,6 +121,14 @@ def test_results_in_rank_order_with_the_torchrun_environment():
     assert [r[:4] for r in results] == [(0, "tag", 2, "0"), (1, "tag", 2, "1")]
     for r in results:
         assert torch.equal(r[4], torch.full((2,), 3.0))  # the group was ready to use
+
+
+def test_a_rank_that_returns_still_runs_its_exit_handlers_and_threads(tmp_path):
+    assert hardware.launch(_leave_work_for_exit, 2, str(tmp_path), max_seconds=60) == [
+        "returned",
+        "returned",
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["atexit0", "atexit1", "thread0", "thread1"]
 
 
 def test_an_exception_names_the_rank_and_carries_its_traceback():
