@@ -37,7 +37,8 @@ def _loader(n=16):
 
 def _trainer(**flags):
     flags.setdefault("logger", False)
-    t = Trainer(max_epochs=1, enable_progress_bar=False, enable_checkpointing=False, **flags)
+    flags.setdefault("max_epochs", 1)
+    t = Trainer(enable_progress_bar=False, enable_checkpointing=False, **flags)
     t._printer = lambda s: None
     return t
 
@@ -179,3 +180,28 @@ def test_lightning_dicts_and_several_optimizers_take_torch_classes():
     assert [list(i.state) for i in inner] == [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
     # every entry of both states created by their steps
     assert all(all(made.values()) for i in inner for made in i.created.values())
+
+
+@pytest.mark.bitwise
+def test_trainer_fit_with_a_torch_class_equals_the_hand_loop_on_a_loaded_instance(monkeypatch):
+    """The fit loop donates, so from the third step on ``from_torch`` steps the instance the
+    step before left loaded; two epochs still end bitwise where a plain PyTorch loop with
+    the same optimizer does."""
+    import sys
+
+    module = sys.modules["purestep.engine.optim.from_torch"]  # the name is the function
+    warm_steps = []
+    original = module._warm_step
+    monkeypatch.setattr(module, "_warm_step", lambda *a: warm_steps.append(1) or original(*a))
+    opt = functools.partial(torch.optim.Adam, lr=0.02, weight_decay=0.01)
+    state = _trainer(max_epochs=2).fit(_net(), _loss, opt, _loader())
+    net = _net()
+    hand = opt(net.parameters())
+    for _ in range(2):
+        for batch in _loader():
+            hand.zero_grad()
+            _loss(net, batch).backward()
+            hand.step()
+    assert state.progress.step == 8 and len(warm_steps) >= 6
+    for n, p in net.named_parameters():
+        assert torch.equal(state.params[n], p.detach()), n

@@ -8,6 +8,7 @@ storage with an input. Checkpoints: a round trip mid-run continues bitwise.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -155,18 +156,30 @@ if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
     CASES["adafactor"] = (torch.optim.Adafactor, dict(lr=0.01))
 
 
+def _step(tx, grads, state, p, donate):
+    """``optim.step``; with ``donate`` under ``donating()`` on the caller's own copies (the
+    params are then updated in place, as the train step runs it)."""
+    if not donate:
+        return optim.step(tx, grads, state, p)
+    with optim.donating():
+        new_p, new_state = optim.step(tx, {n: g.clone() for n, g in grads.items()}, state, p)
+    assert all(new_p[n] is p[n] for n in grads)  # in place
+    return new_p, new_state
+
+
 @pytest.mark.bitwise
+@pytest.mark.parametrize("donate", [False, True], ids=["plain", "donating"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_steps_equal_the_torch_optimizer_driven_by_hand(case):
+def test_steps_equal_the_torch_optimizer_driven_by_hand(case, donate):
     cls, kwargs = CASES[case]
     params = _params()
     hand = ByHand(cls, params, **kwargs)
     tx = optim.from_torch(cls, **kwargs)
     state = tx.init(params)
-    p = params
+    p = {n: t.clone() for n, t in params.items()} if donate else params
     for grads in _grads(params, 6):
         want = hand.step(grads)
-        p, state = optim.step(tx, grads, state, p)
+        p, state = _step(tx, grads, state, p, donate)
         for n in want:
             assert torch.equal(p[n], want[n]), (case, n)
         _assert_state_equal(state, hand)
@@ -303,6 +316,96 @@ def test_donating_and_owning_updates_give_the_same_bits(case):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
+@pytest.mark.bitwise
+def test_a_donating_run_reuses_its_loaded_instance_and_keeps_no_gradients():
+    # Once its state exists (Adam creates it in the first step, so from the third donating
+    # step on), a torch class's step runs on the instance the step before left loaded (the
+    # state's own objects, found by identity): nothing to load or read back, and the
+    # gradients are not kept alive between steps.
+    params = _params()
+    tx = optim.from_torch(torch.optim.Adam, lr=0.01, weight_decay=0.1)
+    hand = ByHand(torch.optim.Adam, params, lr=0.01, weight_decay=0.1)
+    state, p = tx.init(params), {n: t.clone() for n, t in params.items()}
+    for i, grads in enumerate(_grads(params, 5)):
+        want = hand.step(grads)
+        new_p, new_state = _step(tx, grads, state, p, True)
+        assert all(torch.equal(new_p[n], want[n]) for n in want), i
+        assert all(t.grad is None for t in new_p.values())
+        assert (new_state.inner_state is state.inner_state) == (i >= 2), i
+        _assert_state_equal(new_state, hand)
+        p, state = new_p, new_state
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("case", ["nadam", "adagrad_eager_state", "sign_momentum"])
+def test_one_transform_alternating_between_runs_keeps_each_run_exact(case):
+    # Two runs (a copy of one's state, and a plain step) through one transform: a step
+    # on another run's state, or on new objects, never uses the instance another run left.
+    cls, kwargs = CASES[case]
+    tx = optim.from_torch(cls, **kwargs)
+    runs = [(_params(seed), _grads(_params(seed), 6, seed + 3)) for seed in (0, 1)]
+    alone = []
+    for params, seq in runs:
+        own = optim.from_torch(cls, **kwargs)
+        state, p = own.init(params), {n: t.clone() for n, t in params.items()}
+        for grads in seq:
+            p, state = _step(own, grads, state, p, True)
+        alone.append((p, state))
+    live = [[tx.init(params), {n: t.clone() for n, t in params.items()}] for params, _ in runs]
+    for i in range(6):
+        for r, (_, seq) in enumerate(runs):
+            state, p = live[r]
+            if r == 0 and i == 3:  # as if restored from a checkpoint: equal, new objects
+                state, p = copy.deepcopy((state, p))
+            if r == 1 and i == 4:  # one plain step in between
+                live[r] = list(optim.step(tx, seq[i], state, p)[::-1])
+                continue
+            new_p, state = _step(tx, seq[i], state, p, True)
+            live[r] = [state, new_p]
+    for (p, state), (want_p, want_state) in zip([(p, s) for s, p in live], alone, strict=True):
+        assert all(torch.equal(p[n], want_p[n]) for n in want_p)
+        for a, b in zip(tree.leaves(state), tree.leaves(want_state), strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.bitwise
+def test_a_fresh_optimizer_state_for_the_same_params_starts_afresh():
+    # The same param tensors with another optimizer state (a reset, a state.replace): the
+    # step must not run on the moments the instance left loaded.
+    params = _params()
+    tx = optim.from_torch(torch.optim.Adam, lr=0.01)
+    state, p = tx.init(params), {n: t.clone() for n, t in params.items()}
+    seq = _grads(params, 5)
+    for grads in seq[:3]:
+        p, state = _step(tx, grads, state, p, True)
+    hand = ByHand(torch.optim.Adam, p, lr=0.01)
+    state = tx.init(p)
+    for grads in seq[3:]:
+        want = hand.step(grads)
+        p, state = _step(tx, grads, state, p, True)
+        assert all(torch.equal(p[n], want[n]) for n in want)
+        _assert_state_equal(state, hand)
+
+
+def test_a_failing_step_on_the_loaded_instance_gives_it_up():
+    params = _params()
+    tx = optim.from_torch(torch.optim.Adam, lr=0.01)
+    state, p = tx.init(params), {n: t.clone() for n, t in params.items()}
+    seq = _grads(params, 3)
+    p, state = _step(tx, seq[0], state, p, True)
+    p, state = _step(tx, seq[1], state, p, True)  # leaves its instance loaded
+    bad = {**seq[2], "w": torch.zeros(2, 2)}
+    with pytest.raises(TypeError, match="gradient of 'w' does not fit"), optim.donating():
+        optim.step(tx, bad, state, p)
+    # the run goes on (the step failed before torch's step ran), exactly as by hand
+    hand = ByHand(torch.optim.Adam, params, lr=0.01)
+    for grads in seq:
+        want = hand.step(grads)
+    new_p, state = _step(tx, seq[2], state, p, True)
+    assert all(torch.equal(new_p[n], want[n]) for n in want)
+    _assert_state_equal(state, hand)
+
+
 def test_update_returns_the_step_as_a_difference():
     cls, kwargs = CASES["nadam"]
     params = _params()
@@ -318,14 +421,15 @@ def test_update_returns_the_step_as_a_difference():
 
 
 @pytest.mark.bitwise
-def test_schedules_and_state_changes_reach_the_param_group():
+@pytest.mark.parametrize("donate", [False, True], ids=["plain", "donating"])
+def test_schedules_and_state_changes_reach_the_param_group(donate):
     params = _params()
     lr = optim.schedules.cosine(0.02, 5)
     tx = optim.from_torch(torch.optim.NAdam, lr=lr, betas=(0.8, 0.99), weight_decay=0.01)
     hand = ByHand(torch.optim.NAdam, params, lr=lr(0), betas=(0.8, 0.99), weight_decay=0.01)
     state = tx.init(params)
     assert float(state.hyperparams["lr"]) == lr(0)
-    p = params
+    p = {n: t.clone() for n, t in params.items()} if donate else params
     for i, grads in enumerate(_grads(params, 6)):
         hand.opt.param_groups[0]["lr"] = lr(i)
         if i == 3:  # change an injected float in the state, as a callback would
@@ -337,27 +441,29 @@ def test_schedules_and_state_changes_reach_the_param_group():
             )
             hand.opt.param_groups[0]["weight_decay"] = 0.2
         want = hand.step(grads)
-        p, state = optim.step(tx, grads, state, p)
+        p, state = _step(tx, grads, state, p, donate)
         assert all(torch.equal(p[n], want[n]) for n in want), i
         assert float(state.hyperparams["lr"]) == lr(i)  # the value this step used
     assert float(state.hyperparams["weight_decay"]) == 0.2
 
 
 @pytest.mark.bitwise
-def test_set_hyperparams_reaches_every_group():
+@pytest.mark.parametrize("donate", [False, True], ids=["plain", "donating"])
+def test_set_hyperparams_reaches_every_group(donate):
     params = _params()
     tx = optim.from_torch(torch.optim.ASGD, lr=0.05, param_groups=[{"params": ["w"]}])
     hand = ByHand(
         torch.optim.ASGD, params, groups=[{"params": ["w"]}, {"params": ["b", "v"]}], lr=0.05
     )
-    state, p = tx.init(params), params
+    state = tx.init(params)
+    p = {n: t.clone() for n, t in params.items()} if donate else params
     for i, grads in enumerate(_grads(params, 4)):
         if i == 2:  # what ReduceLROnPlateau and callbacks request between steps
             state = optim.set_hyperparams(state, {"lr": 0.01})
             for group in hand.opt.param_groups:
                 group["lr"] = 0.01
         want = hand.step(grads)
-        p, state = optim.step(tx, grads, state, p)
+        p, state = _step(tx, grads, state, p, donate)
         assert all(torch.equal(p[n], want[n]) for n in want), i
     assert optim.injected_values(state, "lr") == [0.01, 0.01]
 

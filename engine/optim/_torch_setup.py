@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import random
 import sys
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -250,6 +251,8 @@ class _Config:
         self.specs = _group_specs(param_groups, self.name)
         self.kwargs0 = {k: _at(v, 0) for k, v in self.kwargs.items()}
         self.pool: dict[int, list[Optimizer]] = {}
+        self.warm: Any = None  # from_torch's _Warm: an instance parked loaded between steps
+        self._warm_lock = threading.Lock()
         self.attributes: dict[int, dict[str, Any]] = {}  # id(scratch instance) -> its vars
         n = len(self.specs) + 1  # the groups given, then the rest
         opt = self.construct([[torch.zeros((1, 1))] for _ in range(n)], n)
@@ -334,6 +337,22 @@ class _Config:
     def give_back(self, opt: Optimizer) -> None:
         _empty(opt)
         self.pool.setdefault(len(opt.param_groups), []).append(opt)
+
+    def take_warm(self) -> Any:
+        """The instance parked by the latest donating step (None if none), now the caller's:
+        steps on several threads never share one."""
+        if self.warm is None:
+            return None
+        with self._warm_lock:
+            warm, self.warm = self.warm, None
+        return warm
+
+    def park(self, warm: Any) -> None:
+        """Park ``warm`` (a loaded instance) for the next step; one displaced goes back."""
+        with self._warm_lock:
+            old, self.warm = self.warm, warm
+        if old is not None:
+            self.give_back(old.opt)
 
     def check_attributes(self, opt: Optimizer, count: int) -> None:
         """Refuse state kept on the instance: an attribute a step (after an instance's

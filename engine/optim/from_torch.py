@@ -16,6 +16,14 @@ state shares storage with the input state, except the 0-d hyper-parameter tensor
 leaves unchanged (passed on, as ``inject_hyperparams`` does) and the entries of params that
 had no gradient (torch does not touch them; the built-in transforms pass those on too).
 
+Donation. Under ``donating()`` (the Trainer's fit loop; ``train_step(donate=True)``) the
+params and state are updated in place, and with one of torch's own classes the instance
+stays loaded between steps instead of being emptied: when the next step's state and params
+are the previous step's objects (checked by identity), it only sets the gradients and
+hyper-parameters and runs ``step()``, as a hand loop does; any other state (another run's,
+a restored or reset one) empties it first. A loaded instance holds the latest state's
+tensors (not the gradients) until the transform's next step.
+
 State. One group: an ``InjectHyperparamsState`` (``count``, ``hyperparams``, ``name`` =
 the class name, so ``LearningRateMonitor`` logs ``lr-NAdam``) whose ``inner_state`` is a
 ``TorchOptimizerState``; several groups: a ``PartitionState`` of those, labelled ``pg1``,
@@ -286,6 +294,15 @@ def _step(
     count = groups[0].count
     donate_state = is_donating()
     owned = owns_updates()
+    donating_all = donate_params and donate_state and owned
+    warm = cfg.take_warm()
+    if warm is not None:
+        if donating_all:
+            stepped = _warm_step(cfg, warm, grads, groups, params, count)
+            if stepped is not None:
+                cfg.park(warm)
+                return stepped
+        cfg.give_back(warm.opt)  # another state: drop the parked instance's references
     seen = 0
     for g in groups:
         state = g.inner_state.state
@@ -302,10 +319,139 @@ def _step(
     if not grads:
         return {}, [g.replace(count=count + 1) for g in groups]
     opt = cfg.borrow(len(groups))
+    parked = False
     try:
-        return _drive(cfg, opt, grads, groups, params, count, donate_params, donate_state, owned)
+        stepped = _drive(cfg, opt, grads, groups, params, count, donate_params, donate_state, owned)
+        if donating_all and cfg.trusted:
+            warm = _parkable(opt, grads, stepped[1])
+            if warm is not None:
+                cfg.park(warm)
+                parked = True
+        return stepped
     finally:
-        cfg.give_back(opt)
+        if not parked:
+            cfg.give_back(opt)
+
+
+class _Warm:
+    """A scratch instance left loaded after a donating step (``_park``): its param groups
+    hold the state's own params (``pairs``, name by name) and its ``state`` the very dicts
+    of ``inners``, the groups' ``TorchOptimizerState`` objects that step returned."""
+
+    __slots__ = ("inners", "opt", "pairs")
+
+    def __init__(self, opt: Optimizer, inners: tuple, pairs: tuple) -> None:
+        self.opt, self.inners, self.pairs = opt, inners, pairs
+
+
+def _parkable(opt: Optimizer, grads: Mapping[str, Tensor], groups: list) -> _Warm | None:
+    """``opt`` as a ``_Warm`` to keep loaded for the next step, if that step can reuse it as
+    it is (else None): every param stepped, every entry created, and every per-param dict
+    the new state holds the instance's own (the caller checks for a torch class and
+    donation). The next donating step's state is then this one's objects, which
+    ``_warm_step`` checks by identity, so it skips loading and reading back."""
+    pairs = []
+    for g, group in zip(groups, opt.param_groups):
+        inner = g.inner_state
+        if False in inner.group_created.values():
+            return None
+        for (name, per_param), p in zip(inner.state.items(), group["params"]):
+            if name not in grads or opt.state.get(p) is not per_param:
+                return None
+            if False in inner.created[name].values():
+                return None
+            pairs.append((name, p))
+    for _, p in pairs:
+        p.grad = None  # the gradients are the step's temporaries: do not keep them alive
+    return _Warm(opt, tuple(g.inner_state for g in groups), tuple(pairs))
+
+
+def _warm_step(
+    cfg: _Config,
+    warm: _Warm,
+    grads: Mapping[str, Tensor],
+    groups: list[InjectHyperparamsState],
+    params: Mapping[str, Tensor],
+    count: int,
+) -> tuple[dict[str, Tensor], list[InjectHyperparamsState]] | None:
+    """The step on the parked instance when ``groups`` and ``params`` are the objects it
+    holds and every param has a gradient (else None: the caller takes the full path).
+    Torch's own classes keep their state dicts' entries and update them in place, so the
+    new state is the old one's objects with the count and hyper-parameters advanced."""
+    pairs = warm.pairs
+    if len(groups) != len(warm.inners) or len(grads) != len(pairs):
+        return None
+    for g, inner in zip(groups, warm.inners):
+        if g.inner_state is not inner:
+            return None
+    for name, p in pairs:
+        if params.get(name) is not p or name not in grads:
+            return None
+    opt = warm.opt
+    torch_groups = opt.param_groups
+    try:
+        settings = [
+            _set_hypers(cfg, i, g, group, count)
+            for i, (g, group) in enumerate(zip(groups, torch_groups))
+        ]
+        for name, p in pairs:
+            _set_grad(cfg, name, p, grads[name], False)
+        try:
+            _run_step(opt, cfg.name)
+        except Exception as e:
+            _note(e, f"(while from_torch ran {cfg.name}.step() for step {count + 1})")
+            raise
+    except BaseException:
+        cfg.give_back(opt)  # the caller took it: nothing else holds it
+        raise
+    for _, p in pairs:
+        p.grad = None
+    new_groups = []
+    for g, group, (values, keep) in zip(groups, torch_groups, settings):
+        _read_hypers(group, values, keep)
+        new_groups.append(InjectHyperparamsState(count + 1, keep, g.inner_state, cfg.class_name))
+    return dict(pairs), new_groups
+
+
+def _set_hypers(
+    cfg: _Config, i: int, g: InjectHyperparamsState, group: dict[str, Any], count: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Put group ``i``'s hyper-parameters for step ``count + 1`` into its torch param group:
+    ``(the values set, the values to store)``."""
+    values, keep = {}, {}
+    hp = g.hyperparams
+    for h in cfg.hypers[i]:
+        try:
+            current = hp[h.key]
+        except KeyError:
+            raise KeyError(
+                f"from_torch({cfg.name}): the state has no hyper-parameter {h.key!r}"
+            ) from None
+        value, keep[h.key] = h.value(count, current)
+        values[h.key] = group[h.key] = value
+    return values, keep
+
+
+def _read_hypers(group: dict[str, Any], values: dict[str, Any], keep: dict[str, Any]) -> None:
+    """Store in ``keep`` the hyper-parameters the optimizer changed itself during the step."""
+    for key, value in values.items():
+        now = group[key]
+        if now is not value:
+            keep[key] = _stored(now)
+
+
+def _set_grad(cfg: _Config, name: str, p: Tensor, grad: Tensor, copy: bool) -> None:
+    if grad.layout is not torch.strided:
+        raise ValueError(
+            f"from_torch({cfg.name}): the gradient of {name!r} is {grad.layout}; "
+            "sparse gradients are not supported"
+        )
+    try:
+        p.grad = grad.clone() if copy else grad
+    except RuntimeError as e:
+        raise TypeError(
+            f"from_torch({cfg.name}): the gradient of {name!r} does not fit its param ({e})"
+        ) from None
 
 
 def _drive(
@@ -334,17 +480,7 @@ def _drive(
                     group[key] = value if type(value) in _IMMUTABLE else _copy(value)
                 else:
                     group.pop(key, None)
-        values, keep = {}, {}
-        hp = g.hyperparams
-        for h in cfg.hypers[i]:
-            try:
-                current = hp[h.key]
-            except KeyError:
-                raise KeyError(
-                    f"from_torch({cfg.name}): the state has no hyper-parameter {h.key!r}"
-                ) from None
-            value, keep[h.key] = h.value(count, current)
-            values[h.key] = group[h.key] = value
+        values, keep = _set_hypers(cfg, i, g, group, count)
         set_values.append(values)
         stored.append(keep)
         # Even torch's own classes may write into ``p.grad`` (SGD with ``nesterov=True`` and
@@ -359,18 +495,7 @@ def _drive(
                 p = p.detach().clone() if p.requires_grad else p.clone()
             grad = grads.get(name)
             if grad is not None:
-                if grad.layout is not torch.strided:
-                    raise ValueError(
-                        f"from_torch({cfg.name}): the gradient of {name!r} is {grad.layout}; "
-                        "sparse gradients are not supported"
-                    )
-                try:
-                    p.grad = grad.clone() if copy_grads else grad
-                except RuntimeError as e:
-                    raise TypeError(
-                        f"from_torch({cfg.name}): the gradient of {name!r} does not fit its "
-                        f"param ({e})"
-                    ) from None
+                _set_grad(cfg, name, p, grad, copy_grads)
             marks = created[name]
             if False not in marks.values():
                 loaded = (
@@ -443,10 +568,7 @@ def _drive(
         else:
             group_values, group_made = _read_group(cfg, i, group, inner, count)
         keep = stored[i]
-        for key, value in set_values[i].items():
-            now = group[key]
-            if now is not value:  # the optimizer changed it itself
-                keep[key] = _stored(now)
+        _read_hypers(group, set_values[i], keep)
         new_groups.append(
             InjectHyperparamsState(
                 count + 1,
