@@ -15,9 +15,10 @@ the call: survivors are terminated (SIGTERM, then SIGKILL), and on Linux every w
 killed by the kernel if the launching process dies (``hardware.pdeathsig``). Forming the
 group is bounded by ``timeout`` (``hardware.group``).
 
-A rank that returns writes its result, destroys its group, joins its non-daemon threads,
-runs its ``atexit`` handlers and ends with ``os._exit(0)``, skipping the interpreter's
-teardown, which can abort a finished gloo rank (see ``_exit_cleanly``).
+A rank that returns writes its result, destroys its group, runs what exit runs
+(multiprocessing's and threading's exit hooks, the join of its non-daemon threads, the
+``atexit`` handlers), flushes its open files and ends with ``os._exit(0)``, skipping the
+interpreter's teardown, which can abort a finished gloo rank (see ``_exit_cleanly``).
 
 Threads: each worker runs ``torch.set_num_threads(threads)``; by default 1 unless
 ``OMP_NUM_THREADS`` is set, as ``torchrun`` does, so ranks do not fight over cores.
@@ -27,6 +28,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import io
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -137,17 +141,35 @@ def _exit_cleanly() -> None:
     Python objects need the GIL) when the process exits; if the interpreter is finalising
     by then, that thread is stopped inside C++ and the process aborts (SIGABRT) although
     the rank succeeded. ``destroy_process_group`` does not prevent it while a DeviceMesh
-    still holds the group. So do what teardown would do while the interpreter is whole
-    (join the non-daemon threads, run the ``atexit`` handlers, flush), then ``os._exit(0)``.
+    still holds the group. So do what exit would do, in its order, while the interpreter is
+    whole: multiprocessing's exit function (its finalizers, child processes), threading's
+    shutdown (its exit hooks, which stop idle executor workers, then the join of the
+    non-daemon threads), the ``atexit`` handlers; then collect reference cycles and flush
+    every file still open for writing (module teardown would have closed them), and
+    ``os._exit(0)``. A failure in these steps is printed, not raised: the rank succeeded.
     """
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        multiprocessing.util._exit_function()
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        gc.collect()
+        _flush_open_files()
+    except BaseException:  # report, and still exit 0: the rank succeeded
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(0)
+
+
+def _flush_open_files() -> None:
+    """Flush every file object still open for writing (``os._exit`` would drop buffers)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
 
 
 # ---------------------------------------------------------------------- launcher side

@@ -93,11 +93,17 @@ def _hang_on_one(rank: int, folder: str) -> None:
     strategy.all_reduce({"g": torch.ones(3)}, "mean")
 
 
+_LEFT_OPEN: list = []
+
+
 def _leave_work_for_exit(rank: int, folder: str) -> str:
-    """What interpreter teardown would finish: an ``atexit`` handler and a thread still
-    running when ``fn`` returns (the worker ends with ``os._exit``, after doing both)."""
+    """What a normal exit would finish (the worker ends with ``os._exit``, after doing it):
+    an ``atexit`` handler, a thread still running when ``fn`` returns, an idle thread pool
+    never shut down (its workers end only through threading's exit hook) and a file left
+    open with its data still buffered."""
     import atexit
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     def write(name: str) -> None:
         with open(os.path.join(folder, f"{name}{rank}"), "w") as f:
@@ -105,6 +111,12 @@ def _leave_work_for_exit(rank: int, folder: str) -> str:
 
     atexit.register(write, "atexit")
     threading.Thread(target=lambda: (time.sleep(0.5), write("thread"))).start()
+    pool = ThreadPoolExecutor(1)
+    pool.submit(write, "pool").result()
+    _LEFT_OPEN.append(pool)
+    f = open(os.path.join(folder, f"open{rank}"), "w")  # noqa: SIM115 - left open on purpose
+    f.write("done")
+    _LEFT_OPEN.append(f)
     return "returned"
 
 
@@ -123,12 +135,15 @@ def test_results_in_rank_order_with_the_torchrun_environment():
         assert torch.equal(r[4], torch.full((2,), 3.0))  # the group was ready to use
 
 
-def test_a_rank_that_returns_still_runs_its_exit_handlers_and_threads(tmp_path):
-    assert hardware.launch(_leave_work_for_exit, 2, str(tmp_path), max_seconds=60) == [
+def test_a_rank_that_returns_still_does_what_exit_does(tmp_path):
+    assert hardware.launch(_leave_work_for_exit, 2, str(tmp_path), max_seconds=30) == [
         "returned",
         "returned",
     ]
-    assert sorted(os.listdir(tmp_path)) == ["atexit0", "atexit1", "thread0", "thread1"]
+    names = sorted(os.listdir(tmp_path))
+    assert names == [f"{what}{r}" for what in ("atexit", "open", "pool", "thread") for r in (0, 1)]
+    for name in names:
+        assert (tmp_path / name).read_text() == "done", name
 
 
 def test_an_exception_names_the_rank_and_carries_its_traceback():

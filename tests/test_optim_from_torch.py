@@ -387,6 +387,44 @@ def test_a_fresh_optimizer_state_for_the_same_params_starts_afresh():
         _assert_state_equal(state, hand)
 
 
+def test_a_step_on_another_state_never_touches_the_loaded_runs_gradients():
+    # Threads sharing one transform: run B's step finds run A's instance parked and empties
+    # it while run A's next step (on another instance) has already set A's ``.grad``; that
+    # gradient must survive, or A's step would silently skip its params.
+    tx = optim.from_torch(torch.optim.Adam, lr=0.01)
+    runs = []
+    for seed in (0, 1):
+        params = _params(seed)
+        runs.append([tx.init(params), {n: t.clone() for n, t in params.items()}])
+    seq = _grads(_params(), 3)
+    for grads in seq[:2]:  # run A parks its instance
+        new_p, new_state = _step(tx, grads, *runs[0], True)
+        runs[0] = [new_state, new_p]
+    in_flight = {n: g.clone() for n, g in seq[2].items()}
+    for n, p in runs[0][1].items():
+        p.grad = in_flight[n]  # what A's step in flight has just done
+    _step(tx, seq[0], *runs[1], True)  # run B: takes A's instance, empties it
+    assert all(p.grad is in_flight[n] for n, p in runs[0][1].items())
+
+
+def test_init_lets_go_of_the_last_runs_tensors():
+    import gc
+    import weakref
+
+    tx = optim.from_torch(torch.optim.Adam, lr=0.01)
+    params = _params()
+    state, p = tx.init(params), {n: t.clone() for n, t in params.items()}
+    for grads in _grads(params, 3):
+        p, state = _step(tx, grads, state, p, True)
+    kept = weakref.ref(p["w"])
+    del p, state
+    gc.collect()
+    assert kept() is not None  # the parked instance holds the run's params
+    tx.init(_params(1))  # a new run (a sweep reusing the transform)
+    gc.collect()
+    assert kept() is None
+
+
 def test_a_failing_step_on_the_loaded_instance_gives_it_up():
     params = _params()
     tx = optim.from_torch(torch.optim.Adam, lr=0.01)

@@ -352,7 +352,23 @@ class _Config:
         with self._warm_lock:
             old, self.warm = self.warm, warm
         if old is not None:
-            self.give_back(old.opt)
+            self.release(old.opt)
+
+    def release(self, opt: Optimizer) -> None:
+        """Return a parked instance to the pool, dropping its references without touching
+        the ``.grad`` of its params: they are another run's tensors, whose step may be
+        setting them on another instance right now (parked params hold no gradient)."""
+        for group in opt.param_groups:
+            group["params"] = []
+        opt.state = defaultdict(dict)
+        self.pool.setdefault(len(opt.param_groups), []).append(opt)
+
+    def release_warm(self) -> None:
+        """Drop the parked instance, if any (a new run's ``init``: do not keep the last
+        run's tensors alive through it)."""
+        warm = self.take_warm()
+        if warm is not None:
+            self.release(warm.opt)
 
     def check_attributes(self, opt: Optimizer, count: int) -> None:
         """Refuse state kept on the instance: an attribute a step (after an instance's

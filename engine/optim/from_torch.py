@@ -22,7 +22,7 @@ stays loaded between steps instead of being emptied: when the next step's state 
 are the previous step's objects (checked by identity), it only sets the gradients and
 hyper-parameters and runs ``step()``, as a hand loop does; any other state (another run's,
 a restored or reset one) empties it first. A loaded instance holds the latest state's
-tensors (not the gradients) until the transform's next step.
+tensors (not the gradients) until the transform's next step or ``init``.
 
 State. One group: an ``InjectHyperparamsState`` (``count``, ``hyperparams``, ``name`` =
 the class name, so ``LearningRateMonitor`` logs ``lr-NAdam``) whose ``inner_state`` is a
@@ -139,6 +139,7 @@ def from_torch(
     cfg = _Config(cls, args, kwargs, param_groups)
 
     def init(params: Params) -> Any:
+        cfg.release_warm()
         groups = cfg.membership(params)
         n = len(groups)
         states = _initial_states(cfg, params, groups)
@@ -302,7 +303,7 @@ def _step(
             if stepped is not None:
                 cfg.park(warm)
                 return stepped
-        cfg.give_back(warm.opt)  # another state: drop the parked instance's references
+        cfg.release(warm.opt)  # another state: drop the parked instance's references
     seen = 0
     for g in groups:
         state = g.inner_state.state
