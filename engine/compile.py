@@ -337,7 +337,21 @@ class _FusedGradients(Gradients):
 _COMPILED_CLASSES: dict[type, type] = {}
 
 
-class CompiledTrainStep(TrainStep):
+class _CompileCounts:
+    """``compilations`` and ``compile_seconds`` of a compiled step, from its ``_backend``."""
+
+    _backend: _Backend
+
+    @property
+    def compilations(self) -> int:
+        return self._backend.compilations
+
+    @property
+    def compile_seconds(self) -> float:
+        return self._backend.seconds
+
+
+class CompiledTrainStep(_CompileCounts, TrainStep):
     """A ``TrainStep`` whose work runs as compiled graphs (see the module doc).
 
     The same ``step(state, batch)``, ``backward`` / ``apply`` halves, ``donating()`` and
@@ -400,14 +414,6 @@ class CompiledTrainStep(TrainStep):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", compile={self.options!r})"
-
-    @property
-    def compilations(self) -> int:
-        return self._backend.compilations
-
-    @property
-    def compile_seconds(self) -> float:
-        return self._backend.seconds
 
     def donating(self, *, backward: bool = True) -> CompiledTrainStep:
         twin = super().donating(backward=backward)
@@ -695,21 +701,13 @@ class CompiledTrainStep(TrainStep):
 # ---------------------------------------------------------------------- eval and predict
 
 
-class _CompiledForward:
+class _CompiledForward(_CompileCounts):
     """The eval/predict steps' forward pass as a compiled graph (no grad, eval mode)."""
 
     def _init_compiled(self, options: CompileOptions | None) -> None:
         self.options = options if options is not None else CompileOptions()
         self._backend = _Backend(self.options)
         self._compiled_graph: _Graph | None = None
-
-    @property
-    def compilations(self) -> int:
-        return self._backend.compilations
-
-    @property
-    def compile_seconds(self) -> float:
-        return self._backend.seconds
 
     def _forward(self, params: dict, buffers: dict, batch: Any) -> Any:
         graph = self._compiled_graph

@@ -777,10 +777,21 @@ class TrainStep:
         else:
             wrt = {n: params[n].detach().requires_grad_() for n in self.trainable}
             bound_params = {**params, **wrt}
+        loss, metrics, new_buffers = self._loss_forward(bound_params, buffers, batch, key)
+        target = loss_for_grad(loss, loss_scale, divisor)
+        grads = scalar_gradients(target, tuple(wrt.values()))
+        return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
+
+    def _loss_forward(self, bound_params, buffers, batch, key, around=_NO_CONTEXT):
+        """``(loss, detached metrics, new buffers)`` of the loss function on the template
+        bound to ``bound_params`` and ``buffers``, under the key's RNG scope, with grad
+        enabled and the precision's autocast; ``around`` is a context a strategy adds
+        inside them (FSDP's parameter gathering). The loss keeps its graph."""
         with (
             rng.scope(key, generators=self._rng_generators),
             self.binder.bind(bound_params, buffers, True) as apply,
             _NO_CONTEXT if torch.is_grad_enabled() else torch.enable_grad(),
+            around,
             self.strategy.precision.autocast(),
         ):
             try:
@@ -790,9 +801,7 @@ class TrainStep:
                 raise
             loss, metrics = split_output(out, "loss_fn")
             new_buffers = self.binder.collect_buffers() if buffers else buffers
-        target = loss_for_grad(loss, loss_scale, divisor)
-        grads = scalar_gradients(target, tuple(wrt.values()))
-        return self._named_grads(wrt, grads), loss.detach(), detached(metrics), new_buffers
+        return loss, detached(metrics), new_buffers
 
     def _grad_func(self, params, buffers, batch, key, loss_scale, divisor):
         frozen = {n: params[n] for n in self._frozen}

@@ -63,17 +63,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from purestep.engine import optim, rng, user_errors
+from purestep.engine import optim, user_errors
 from purestep.engine.loss_scale import DynamicLossScale
 from purestep.engine.step import (
     EvalStep,
     PredictStep,
     TrainStep,
-    detached,
     loss_for_grad,
     modified_in_place,
     scalar_gradients,
-    split_output,
 )
 from purestep.engine.strategy import Precision
 from purestep.engine.tree import map
@@ -535,26 +533,16 @@ class FSDPTrainStep(TrainStep):
         trainable = self.trainable if not self._all_trainable else list(local)
         wrt = {n: local[n].detach().requires_grad_() for n in trainable}
         sources = {**{n: t.detach() for n, t in local.items()}, **wrt}
-        with (
-            rng.scope(key, generators=self._rng_generators),
-            self.binder.bind(self._placeholders, buffers, True) as apply,
-            torch.enable_grad(),
-            self.units.gathering(params, sources, True),
-            self.strategy.precision.autocast(),
-        ):
-            try:
-                out = self.loss_fn(apply, batch)
-            except Exception as exc:
-                user_errors.annotate(exc, self.loss_fn, self._stage, batch)
-                raise
-            loss, metrics = split_output(out, "loss_fn")
-            new_buffers = self.binder.collect_buffers() if buffers else buffers
+        gathering = self.units.gathering(params, sources, True)
+        loss, metrics, new_buffers = self._loss_forward(
+            self._placeholders, buffers, batch, key, gathering
+        )
         target = loss_for_grad(loss, loss_scale, divisor)
         grads = scalar_gradients(target, tuple(wrt.values()))
         changed = modified_in_place(local, versions)
         if changed:
             raise RuntimeError(f"the forward pass modified parameters {changed} in place")
-        return self._named_grads(wrt, grads), loss.detach(), detached(metrics), new_buffers
+        return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 
     def _grad_func(self, *args: Any) -> Any:
         raise ValueError("fsdp supports grad='autograd' only")
