@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     )
     from .loops import DataModule, Task, Trainer, Tuner, callbacks, data, loggers
     from .loops.command_line import cli
+    from .loops.seeding import seed_everything
 
 # Where each entry point lives. They are imported on first use, so ``import purestep.engine``
 # (a DataLoader worker, a DDP rank) does not pay for the loops' loggers and progress bars.
@@ -58,6 +59,7 @@ _ENTRY_POINTS = {
         name: ("purestep.loops", name)
         for name in ("DataModule", "Task", "Trainer", "Tuner", "callbacks", "data", "loggers")
     },
+    "seed_everything": ("purestep.loops.seeding", "seed_everything"),
     # jsonargparse (the cli extra) loads when it is called
     "cli": ("purestep.loops.command_line", "cli"),
 }
@@ -103,6 +105,7 @@ __all__ = [
     "optim",
     "predict_step",
     "rng",
+    "seed_everything",
     "to_module",
     "train_step",
 ]

@@ -63,6 +63,8 @@ class Purpose:
     SAMPLE = 8
     #: the global streams around one sample's ``dataset[i]`` (``loops.data.sample_rng``)
     SAMPLE_RNG = 9
+    #: the module a ``Task.configure_model`` builds inside ``Trainer.fit``
+    MODEL = 10
 
 
 def _mix(z: int) -> int:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from purestep import Trainer, engine, optim
+from purestep import Trainer, engine, optim, seed_everything
 from purestep.loops.callbacks import LambdaCallback
 
 VOCAB = 256
@@ -117,7 +117,7 @@ def validation_loss(net: nn.Module, state: Any, val: TensorDataset, compile: Any
 def train(compiled: bool, args: argparse.Namespace, data: tuple) -> dict[str, float]:
     train_set, val_set = data
     compile = {"backend": args.backend} if compiled else False
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     net = CharLM(context=args.context, width=args.width, layers=args.layers)
     marks: list[float] = []
     timer = LambdaCallback(on_train_batch_end=lambda ctx: marks.append(time.perf_counter()))
@@ -133,7 +133,7 @@ def train(compiled: bool, args: argparse.Namespace, data: tuple) -> dict[str, fl
     )
     start = time.perf_counter()
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    state = trainer.fit(net, loss_fn, optim.adamw(3e-3, weight_decay=0.01), loader, seed=0)
+    state = trainer.fit(net, loss_fn, optim.adamw(3e-3, weight_decay=0.01), loader, seed=args.seed)
     skip = min(5, len(marks) - 2)
     tokens = args.batch_size * args.context * (len(marks) - 1 - skip)
     per_s = tokens / (marks[-1] - marks[skip])

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from purestep import engine
+from purestep import engine, seed_everything
 from purestep.engine import checkpoint, optim, rng
 from purestep.loops import Driver, aggregate, data, loop_state
 from purestep.loops.callbacks import LambdaCallback, init_states
@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--root", default="runs/gan")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
+    seed_everything(args.seed)  # the networks' initial weights
 
     generator, critic = mlp(NOISE, 2), mlp(2, 1)
     g_opt = optim.adam(1e-3, betas=(0.5, 0.999))
@@ -91,9 +92,9 @@ def main(argv: list[str] | None = None) -> float:
     g_step = engine.train_step(generator, generator_loss, g_opt)
     sample = engine.predict_step(generator, lambda apply, noise: apply(noise))
 
-    run_key = rng.key(0)
-    d_state = engine.init(critic, d_opt, seed=1)
-    g_state = engine.init(generator, g_opt, seed=2)
+    run_key = rng.key(args.seed)
+    d_state = engine.init(critic, d_opt, seed=args.seed + 1)
+    g_state = engine.init(generator, g_opt, seed=args.seed + 2)
     real = data.source(
         ring(args.samples, seed=3), batch_size=args.batch_size, shuffle=True, seed=run_key
     )

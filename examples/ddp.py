@@ -22,7 +22,7 @@ import os
 from digits import load, loss_fn  # examples/digits.py: the same data split and loss
 from torch import nn
 
-from purestep import engine, hardware, loops
+from purestep import engine, hardware, loops, seed_everything
 from purestep.engine import metrics, optim, rng
 
 
@@ -44,6 +44,7 @@ def train(rank: int | None, args: argparse.Namespace) -> float:
         )
     say = print if strategy.is_primary else (lambda *a, **k: None)
     train_set, val_set, test_set = load(args.seed)
+    seed_everything(args.seed)  # every rank builds the same template (rank 0's is broadcast)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
     opt = optim.adamw(args.lr, weight_decay=1e-4)
     state = engine.init(net, opt, seed=args.seed, strategy=strategy)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from purestep.engine import metrics, optim, rng
-from purestep.loops import Trainer
+from purestep.loops import Trainer, seed_everything
 from purestep.loops.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from purestep.loops.loggers import CSVLogger, TensorBoardLogger
 
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--no-progress-bar", action="store_true")
     args = parser.parse_args(argv)
 
+    seed_everything(args.seed)  # the template's initial weights below
     train, val, test = splits(args.seed)
-    torch.manual_seed(args.seed)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
     steps = args.epochs * -(-len(train) // args.batch_size)
     schedule = optim.schedules.warmup_cosine(args.lr, steps // 20, steps, end_value=args.lr / 20)

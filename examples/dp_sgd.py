@@ -21,7 +21,7 @@ import torch
 from digits import load, loss_fn  # examples/digits.py: the same data split and loss
 from torch import nn
 
-from purestep import engine
+from purestep import engine, seed_everything
 from purestep.engine import metrics, optim, rng
 
 
@@ -46,6 +46,7 @@ def main(argv=None) -> float:
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
+    seed_everything(args.seed)  # nothing here draws from the global generators; a habit
     train, val, test = load(args.seed)
     with torch.device("meta"):  # a template only: engine.init initialises it from the seed
         net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from purestep import Task, Trainer, engine
+from purestep import Task, Trainer, engine, seed_everything
 from purestep.engine import optim
 from purestep.loops.loggers import CSVLogger
 
@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--root", default="runs/gan_trainer")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    seed_everything(args.seed)  # the networks' initial weights; fit's seed defaults to it
     task = GAN()
     trainer = Trainer(
         max_epochs=args.epochs,
@@ -90,9 +92,7 @@ def main(argv: list[str] | None = None) -> float:
         log_every_n_steps=4,
     )
     real = torch.utils.data.DataLoader(ring(args.samples, seed=3), batch_size=args.batch_size)
-    state = trainer.fit(
-        task, train_dataloaders=real, seed=0, ckpt_path="last" if args.resume else None
-    )
+    state = trainer.fit(task, train_dataloaders=real, ckpt_path="last" if args.resume else None)
     sample = engine.predict_step(task.model, lambda apply, z: apply["generator"](z))
     z = torch.randn(2000, NOISE, generator=torch.Generator().manual_seed(4))
     score = coverage(sample(state, z))

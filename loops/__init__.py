@@ -10,6 +10,8 @@ observers that log measurements); and the Lightning-shaped ``Trainer`` with ``Ta
 ``DataModule`` (several optimizers: ``MultiStep``, the manual-optimization
 ``OptimizerHandle``; ``optimizers`` and ``schedulers`` read ``configure_optimizers``), and
 its ``Tuner`` (``tuning``: learning-rate finder, batch-size scaler).
+``seed_everything`` seeds the global generators the user's own code draws from (building
+the model, making data) and records the seed that ``Trainer.fit`` defaults to.
 ``log(value, on_step=..., on_epoch=...)`` chooses how a value a step returns is logged.
 ``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use, and
 so is ``cli`` (the config-file command line, in ``loops.command_line``; needs the ``cli``
@@ -44,6 +46,7 @@ from .fit import FitLoop, NonFiniteLossError, fit
 from .loop_state import LoopState
 from .multi_optim import MultiStep, OptimizerHandle
 from .predict import predict, run_prediction
+from .seeding import reset_seed, seed_everything
 from .task import DataModule, Task, task_callback
 from .trainer import Trainer, TrainerStatus
 from .tuning import Tuner
@@ -87,7 +90,9 @@ __all__ = [
     "profiling",
     "run_evaluation",
     "run_prediction",
+    "reset_seed",
     "schedule",
+    "seed_everything",
     "source",
     "task_callback",
     "test",

@@ -8,10 +8,10 @@ classes named on the command line, parses::
 - subcommands ``fit``, ``validate``, ``test`` and ``predict``, each taking that Trainer
   method's own arguments (``--ckpt_path``, ``--verbose``, ``--return_predictions``);
 - ``--seed_everything`` (default 0, Lightning's name), taken by every subcommand so that one
-  printed config serves them all: fit builds its state with it (``Trainer.fit``'s
-  ``seed``); validate, test and predict, whose weights come from ``--ckpt_path`` (or a
-  fresh state), accept it and use none (the engine draws its random numbers from the
-  state's key, not from a global generator; nothing calls ``torch.manual_seed``);
+  printed config serves them all: ``seed_everything(seed)`` runs before the model, the data
+  module and the trainer are built (their initial weights and any random data come from
+  the seeded global generators, as with LightningCLI), and fit builds its state with it
+  (``Trainer.fit``'s ``seed``: the run key behind every draw of the run);
 - ``--trainer.*``: the ``Trainer``'s flags, from ``Trainer.__init__``'s signature and type
   hints (``--trainer.callbacks`` and ``--trainer.logger`` take ``class_path`` /
   ``init_args``, as in Lightning); ``--model.*`` / ``--data.*``: the ``__init__`` arguments
@@ -49,6 +49,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .seeding import seed_everything
 from .task import DataModule, Task
 from .trainer import Trainer
 from .trainer_args import ENV_PREFIX, flag_names, parse_flag
@@ -184,6 +185,9 @@ class CLI:
         parsed = self.parser.parse_args(None if args is None else list(args))
         self.subcommand: str | None = parsed.get("subcommand") if run else None
         self.config = parsed[self.subcommand] if self.subcommand else parsed
+        # before anything is built, as LightningCLI does: the model's initial weights and
+        # whatever the data module draws come from the seeded global generators
+        self.seed = seed_everything(self.config.seed_everything, verbose=False)
         instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
         built = instantiate(parsed)
         built = built[self.subcommand] if self.subcommand else built
@@ -239,7 +243,7 @@ class CLI:
             "--seed_everything",
             type=int,
             default=0,
-            help="The run's seed: fit's seed (the other subcommands accept it and use none).",
+            help="The run's seed: the global generators before anything is built; fit's seed.",
         )
         if subcommand is not None:
             skip = set(_NOT_FROM_CONFIG) | ({"seed"} if subcommand == "fit" else set())

@@ -539,7 +539,7 @@ class Trainer:
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
         state: TrainState | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> TrainState:
         """Train and return the final ``TrainState`` (the latest one after Ctrl-C).
 
@@ -551,7 +551,10 @@ class Trainer:
         datamodule=dm)``, ``fit(task)`` with the task's own ``train_dataloader()`` /
         ``val_dataloader()``, or ``fit(model, loss_fn, optimizer, train, val)``. ``state``
         continues from an existing state (e.g. a restored checkpoint); otherwise the state
-        is built from the model with ``seed``. Validation runs when the task defines
+        is built from the model with ``seed``: the run key behind every draw of the run
+        (dropout, data order, workers, augmentations) and the key a model that
+        ``configure_model`` builds here is initialised under. ``seed=None`` (the default)
+        takes the seed ``seed_everything`` recorded, else 0. Validation runs when the task defines
         ``validation_step`` and there is validation data.
         """
         return trainer_fit.fit(
@@ -640,7 +643,7 @@ class Trainer:
         *,
         datamodule: DataModule | None = None,
         state: TrainState | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         scale_batch_size_kwargs: dict[str, Any] | None = None,
         lr_find_kwargs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:

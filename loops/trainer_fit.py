@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from purestep import engine
+from purestep.engine import rng
 from purestep.engine.state import TrainState
 
 from . import schedule
 from .fit import FitLoop
 from .optimization import optimization
+from .seeding import resolve_seed
 from .task import DataModule, Task, restore_callback_data, restore_task_data
 from .trainer_data import check_fit_data, data_seed, fit_data, prepare_data
 from .trainer_run import TrainerStatus, driver_for, printer, run_context
@@ -22,7 +24,7 @@ from .trainer_run import TrainerStatus, driver_for, printer, run_context
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["fit", "fit_optimizer", "fit_task"]
+__all__ = ["fit", "fit_optimizer", "fit_task", "seeded_model"]
 
 
 def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
@@ -44,6 +46,17 @@ def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
     raise TypeError(f"expected a Task or an nn.Module, got {type(model).__name__}")
 
 
+def seeded_model(task: Task, seed: int) -> nn.Module:
+    """The task's template; one that ``configure_model`` builds now is built with torch's
+    generators scoped to the seed's key (``rng.Purpose.MODEL``), so its initial weights are
+    a function of fit's seed, as everything else in the run is. A model built before fit
+    (in ``__init__``) drew from the global generators: ``seed_everything`` fixes those."""
+    if task.model is not None:
+        return task.get_model()
+    with rng.scope(rng.fold_in(rng.key(seed), rng.Purpose.MODEL)):
+        return task.get_model()
+
+
 def fit_optimizer(task: Task, config: Any) -> Any:
     """The task's optimizer, behind the clipping ``gradient_clip_val`` asks for (one
     optimizer; several are read by ``loops.optimization``)."""
@@ -61,9 +74,10 @@ def fit(
     datamodule: DataModule | None,
     ckpt_path: str | None,
     state: TrainState | None,
-    seed: int,
+    seed: int | None,
 ) -> TrainState:
     """What ``Trainer.fit`` does (see there)."""
+    seed = resolve_seed(seed)
     task = fit_task(model, loss_fn, optimizer)
     has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule, task)
     trainer._task = task
@@ -73,7 +87,7 @@ def fit(
         datamodule.setup("fit")
     task.setup("fit")
     strategy = trainer.strategy
-    net = strategy.convert_model(task.get_model())
+    net = strategy.convert_model(seeded_model(task, seed))
     plan = optimization(task, net, trainer.config)
     if trainer.compile is not None and plan.multi:
         raise ValueError(

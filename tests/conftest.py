@@ -23,3 +23,24 @@ settings.load_profile("ci")
 def _work_in_a_temporary_folder(tmp_path, monkeypatch):
     """Every test runs in its own folder, so default run folders never land in the repo."""
     monkeypatch.chdir(tmp_path)
+
+
+_SEED_VARIABLES = (
+    "PURESTEP_GLOBAL_SEED",
+    "PURESTEP_SEED_WORKERS",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
+
+
+@pytest.fixture(autouse=True)
+def _forget_recorded_seeds():
+    """``seed_everything`` records its seed in the environment (spawned ranks read it, and
+    ``Trainer.fit`` defaults to it): no test's seed reaches the next test."""
+    saved = {name: os.environ.get(name) for name in _SEED_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -33,14 +33,11 @@ def _test_acc(stdout: str) -> float:
     return float(match.group(1))
 
 
-def test_spawned_ranks_learn_the_digits():
-    out = _run([sys.executable, EXAMPLE, "--spawn", "2", "--epochs", "3"])
-    assert "DDP(rank=0/2" in out and "DDP(rank=1/2" not in out  # rank 0 alone prints
-    assert _test_acc(out) > 0.8  # ~0.92 after 3 epochs; a tenth of that is chance
-
-
-def test_torchrun_ranks_learn_the_digits():
-    out = _run(
+@pytest.fixture(scope="module")
+def runs() -> dict[str, str]:
+    """The example's output under hardware.launch and under torchrun (3 epochs, 2 ranks)."""
+    spawned = _run([sys.executable, EXAMPLE, "--spawn", "2", "--epochs", "3"])
+    torchrun = _run(
         [
             sys.executable,
             "-m",
@@ -52,5 +49,27 @@ def test_torchrun_ranks_learn_the_digits():
             "3",
         ]
     )
+    return {"spawn": spawned, "torchrun": torchrun}
+
+
+def test_spawned_ranks_learn_the_digits(runs):
+    out = runs["spawn"]
+    assert "DDP(rank=0/2" in out and "DDP(rank=1/2" not in out  # rank 0 alone prints
+    assert _test_acc(out) > 0.8  # ~0.92 after 3 epochs; a tenth of that is chance
+
+
+def test_torchrun_ranks_learn_the_digits(runs):
+    out = runs["torchrun"]
     assert out.count("test_acc=") == 1
     assert _test_acc(out) > 0.8
+
+
+def _results(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(("epoch", "test_acc="))]
+
+
+def test_the_seed_fixes_the_run_however_the_ranks_are_started(runs):
+    # seed_everything(--seed) before the template is built: the same initial weights, so
+    # the same losses and accuracies to the printed digit, launched either way
+    spawned, torchrun = _results(runs["spawn"]), _results(runs["torchrun"])
+    assert len(spawned) == 4 and spawned == torchrun

@@ -435,6 +435,23 @@ def test_the_compile_block_compiles_one_graph_and_keeps_the_state(capsys):
     assert "compiled in" in capsys.readouterr().out
 
 
+SEEDING = "import purestep, torch, torch.nn as nn, torch.nn.functional as F"
+
+
+@pytest.mark.bitwise
+@runs(SEEDING)
+def test_the_seeding_block_repeats_its_run_in_one_process():
+    first: dict = {}
+    _run(SEEDING, first)
+    torch.rand(3)  # whatever runs in between
+    again: dict = {}
+    exec(_matching(SEEDING)[0], again)
+    from purestep.engine import tree
+
+    assert tree.trees_equal(first["state"], again["state"])
+    assert torch.equal(first["data"].tensors[0], again["data"].tensors[0])
+
+
 def test_every_readme_python_block_is_run_by_a_test():
     blocks = _python_blocks()
     assert blocks, "no ```python blocks found in README.md"

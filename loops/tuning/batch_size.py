@@ -99,7 +99,7 @@ def scale_batch_size(
     *,
     datamodule: Any = None,
     state: Any = None,
-    seed: int = 0,
+    seed: int | None = None,
     mode: str = "power",
     steps_per_trial: int = 3,
     init_val: int = 2,

@@ -41,7 +41,7 @@ def tune(
     *,
     datamodule: Any = None,
     state: Any = None,
-    seed: int = 0,
+    seed: int | None = None,
     scale_batch_size_kwargs: dict[str, Any] | None = None,
     lr_find_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:

@@ -270,7 +270,7 @@ def lr_find(
     loss_fn: Any = None,
     optimizer: Any = None,
     state: Any = None,
-    seed: int = 0,
+    seed: int | None = None,
     min_lr: float = 1e-8,
     max_lr: float = 1.0,
     num_training: int = 100,
