@@ -78,10 +78,21 @@ class Optimization:
         )
 
 
+def _named(task: Any, net: nn.Module) -> list[tuple[str, Any]]:
+    """What names the parameters of a torch optimizer instance (one that comes with its
+    torch scheduler): the trained module's, and the task's template's where the strategy
+    converted it into another module with the same names."""
+    pairs = list(net.named_parameters())
+    model = getattr(task, "model", None)
+    if isinstance(model, nn.Module) and model is not net:
+        pairs += list(model.named_parameters())
+    return pairs
+
+
 def optimization(task: Any, net: nn.Module, config: Any) -> Optimization:
     """Read ``task.configure_optimizers()`` for a fit of ``net`` under ``config``."""
     manual = getattr(task, "automatic_optimization", True) is False
-    entries = parse_optimizers(task.configure_optimizers())
+    entries = parse_optimizers(task.configure_optimizers(), params=_named(task, net))
     trainable = trainable_names(net)
     resolved = resolve_params(entries, trainable)
     configs = []

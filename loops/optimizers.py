@@ -25,6 +25,20 @@ from ``engine.optim.schedules``: ``k`` counts the scheduler's steps, epochs or o
 steps divided by ``frequency``, so an epoch schedule is a pure function of the epoch) or an
 ``engine.optim.ReduceLROnPlateau`` (which needs ``monitor``). A scheduler changes the
 optimizer's injected learning rate: build the optimizer with ``optim.inject_hyperparams``.
+
+Torch's own scheduler objects are taken too, with the torch optimizer they were built on
+(Lightning's ``opt = torch.optim.AdamW(self.model.parameters()); return [opt],
+[OneCycleLR(opt, ...)]``, in any of the shapes above): the scheduler becomes its exact pure
+translation (``engine.optim.from_torch_scheduler``: the learning rates, and the momentum
+where the class cycles it, after ``k`` steps) and the optimizer ``from_torch`` of its class
+with its param groups' current settings, the groups' params named by the module's names
+(``params`` of ``parse_optimizers``; with several optimizers an entry's ``"params"``
+defaults to them). A torch scheduler is matched with its optimizer by identity, in
+``([optimizers], [schedulers])`` too; an optimizer that is a transform already (an instance
+converted before, as ``loops.lightning`` does) takes it by position. Where the scheduler
+cycles ``betas[0]``, the optimizer's state carries it as ``momentum``
+(``torch_instances.beta1_as_momentum``). A torch optimizer without its scheduler is
+refused (use ``optim.from_torch``), and so is a scheduler class that cannot be translated.
 """
 
 from __future__ import annotations
@@ -34,8 +48,17 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch import Tensor
+from torch.optim import Optimizer
+
 from purestep.engine import optim
 from purestep.engine.optim import GradientTransformation, ReduceLROnPlateau
+from purestep.engine.optim.torch_instances import beta1_as_momentum, from_instance
+from purestep.engine.optim.torch_schedules import (
+    TorchSchedule,
+    from_torch_scheduler,
+    is_torch_scheduler,
+)
 
 __all__ = [
     "OptimizerConfig",
@@ -132,12 +155,17 @@ def _scheduler(obj: Any, optimizer: str, where: str) -> SchedulerConfig:
         sched = fields.pop("scheduler")
     else:
         sched, fields = obj, {}
+    if is_torch_scheduler(sched):
+        try:
+            sched = from_torch_scheduler(sched)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
     if not (isinstance(sched, ReduceLROnPlateau) or callable(sched)):
         raise TypeError(
             f"{where}: the scheduler must be a schedule (a function step -> learning rate, "
-            "e.g. optim.schedules.step(0.1, 30)) or optim.ReduceLROnPlateau(...), got "
-            f"{type(sched).__name__}; torch's LR scheduler objects hold an optimizer of their "
-            "own and cannot drive a pure state"
+            "e.g. optim.schedules.step(0.1, 30)), optim.ReduceLROnPlateau(...) or a "
+            "torch.optim.lr_scheduler object built on the entry's torch optimizer, got "
+            f"{type(sched).__name__}"
         )
     interval = fields.get("interval", "epoch")
     if interval not in ("epoch", "step"):
@@ -160,7 +188,46 @@ def _scheduler(obj: Any, optimizer: str, where: str) -> SchedulerConfig:
     return SchedulerConfig(sched, optimizer, interval, frequency, monitor, strict, name)
 
 
-def _entry(obj: Any, default_name: str, where: str) -> OptimizerConfig:
+def _bound_optimizer(spec: Any) -> Any:
+    """The torch optimizer a torch scheduler (bare or in Lightning's dict) was built on, or
+    None for any other scheduler."""
+    sched = spec.get("scheduler") if isinstance(spec, Mapping) else spec
+    return sched.optimizer if is_torch_scheduler(sched) else None
+
+
+def _paired(
+    opt: Any,
+    bound: Any,
+    sched: SchedulerConfig,
+    params: Any,
+    where: str,
+) -> tuple[GradientTransformation, list[str] | None]:
+    """The optimizer of an entry whose scheduler is a torch scheduler built on the torch
+    optimizer ``bound``, and the names of its params (None when unknown). The instance
+    itself becomes a ``from_torch`` transform; an entry whose optimizer is already a
+    transform (an instance someone converted before, as ``loops.lightning`` does) keeps
+    it. Where the scheduler cycles ``betas[0]``, the state gets its ``momentum`` alias."""
+    translated = sched.scheduler
+    beta1 = isinstance(translated, TorchSchedule) and translated.momentum_key == "betas"
+    if not isinstance(opt, Optimizer):
+        tx = _transform(opt, f"{where}['optimizer']")
+        return (beta1_as_momentum(tx) if beta1 else tx), None
+    if opt is not bound:
+        raise ValueError(
+            f"{where}: its torch LR scheduler was built on a {type(bound).__name__} instance, "
+            f"but the entry's 'optimizer' is another {type(opt).__name__} instance; a torch "
+            "scheduler drives the torch optimizer it was built on: give that one"
+        )
+    return from_instance(opt, params, momentum_alias=beta1, what=f"{where}['optimizer']")
+
+
+def _entry(
+    obj: Any,
+    default_name: str,
+    where: str,
+    params: Any = None,
+    sched_where: str | None = None,
+) -> OptimizerConfig:
     if not isinstance(obj, Mapping):
         return OptimizerConfig(default_name, _transform(obj, where))
     unknown = sorted(set(obj) - _ENTRY_KEYS)
@@ -185,16 +252,26 @@ def _entry(obj: Any, default_name: str, where: str) -> OptimizerConfig:
         raise ValueError(
             f"{where}: gradient_clip_algorithm must be 'norm' or 'value', got {algorithm!r}"
         )
-    sched = obj.get("lr_scheduler")
-    if sched is not None:
-        if isinstance(sched, Mapping) or "monitor" not in obj:
-            sched = _scheduler(sched, name, f"{where}['lr_scheduler']")
+    raw = obj.get("lr_scheduler")
+    sched = None
+    if raw is not None:
+        at = sched_where or f"{where}['lr_scheduler']"
+        if isinstance(raw, Mapping) or "monitor" not in obj:
+            sched = _scheduler(raw, name, at)
         else:  # Lightning also reads "monitor" next to the optimizer
-            sched = _scheduler({"scheduler": sched, "monitor": obj["monitor"]}, name, where)
+            sched = _scheduler({"scheduler": raw, "monitor": obj["monitor"]}, name, at)
+    bound = None if raw is None else _bound_optimizer(raw)
+    chosen = obj.get("params")
+    if bound is not None:
+        tx, names = _paired(obj["optimizer"], bound, sched, params, where)
+        if chosen is None:
+            chosen = names
+    else:
+        tx = _transform(obj["optimizer"], f"{where}['optimizer']")
     return OptimizerConfig(
         name,
-        _transform(obj["optimizer"], f"{where}['optimizer']"),
-        obj.get("params"),
+        tx,
+        chosen,
         frequency,
         accumulate,
         None if clip is None else float(clip),
@@ -228,18 +305,24 @@ def _is_two_lists(output: Any) -> bool:
     return _is_sequence(output) and len(output) == 2 and _is_sequence(output[0])
 
 
-def parse_optimizers(output: Any, where: str = "configure_optimizers()") -> list[OptimizerConfig]:
+def parse_optimizers(
+    output: Any,
+    where: str = "configure_optimizers()",
+    params: Mapping[str, Tensor] | Sequence[tuple[str, Tensor]] | None = None,
+) -> list[OptimizerConfig]:
     """The optimizers ``configure_optimizers()`` returned (see the module doc); ``where``
-    names the value in errors."""
+    names the value in errors; ``params`` (the module's ``named_parameters()``, a dict or
+    its pairs) names the parameters of torch optimizers that come with their torch
+    schedulers."""
     if isinstance(output, GradientTransformation) or (
         hasattr(output, "init") and hasattr(output, "update")
     ):
         return [OptimizerConfig("0", output)]
     if isinstance(output, Mapping):
         if _is_entry_dict(output):
-            return [_entry(output, "0", where)]
+            return [_entry(output, "0", where, params)]
         entries = [
-            _entry(v, str(k), f"{where}[{k!r}]")
+            _entry(v, str(k), f"{where}[{k!r}]", params)
             if not isinstance(v, Mapping) or "name" not in v
             else None
             for k, v in output.items()
@@ -250,30 +333,71 @@ def parse_optimizers(output: Any, where: str = "configure_optimizers()") -> list
             raise ValueError(f"{where} returned an empty dict")
         return _checked(entries)
     if _is_two_lists(output):
-        opts, scheds = output
-        if not isinstance(scheds, (list, tuple)):  # Lightning takes one scheduler bare too
-            scheds = [scheds]
-        entries = [_entry(o, str(i), f"{where}[0][{i}]") for i, o in enumerate(opts)]
-        if not entries:
-            raise ValueError(f"{where} returned no optimizer")
-        if len(scheds) > len(entries):
-            raise ValueError(
-                f"{where}: {len(scheds)} schedulers for {len(entries)} optimizers; the i-th "
-                "scheduler belongs to the i-th optimizer"
-            )
-        for i, s in enumerate(scheds):
-            if entries[i].scheduler is not None:
-                raise ValueError(f"{where}: optimizer {entries[i].name!r} has two schedulers")
-            cfg = _scheduler(s, entries[i].name, f"{where}[1][{i}]")
-            entries[i] = dataclasses.replace(entries[i], scheduler=cfg)
-        return _checked(entries)
+        return _two_lists(output, where, params)
     if isinstance(output, (list, tuple)):
         if not output:
             raise ValueError(f"{where} returned no optimizer")
-        entries = [_entry(o, str(i), f"{where}[{i}]") for i, o in enumerate(output)]
+        entries = [_entry(o, str(i), f"{where}[{i}]", params) for i, o in enumerate(output)]
         return _checked(entries)
     # let the transform check say what is accepted
     return [OptimizerConfig("0", _transform(output, where))]
+
+
+def _optimizer_of(entry: Any) -> Any:
+    return entry.get("optimizer") if isinstance(entry, Mapping) else entry
+
+
+def _owner(opts: Sequence[Any], bound: Any) -> int | None:
+    """The position of the optimizer (bare or an entry dict's) that ``bound`` is."""
+    for i, o in enumerate(opts):
+        if _optimizer_of(o) is bound:
+            return i
+    return None
+
+
+def _two_lists(output: Any, where: str, params: Any) -> list[OptimizerConfig]:
+    """Lightning's ``([optimizers], [schedulers])``: the i-th scheduler belongs to the i-th
+    optimizer; a torch scheduler to the torch optimizer it was built on."""
+    opts, scheds = output
+    if not isinstance(scheds, (list, tuple)):  # Lightning takes one scheduler bare too
+        scheds = [scheds]
+    if not opts:
+        raise ValueError(f"{where} returned no optimizer")
+    if len(scheds) > len(opts):
+        raise ValueError(
+            f"{where}: {len(scheds)} schedulers for {len(opts)} optimizers; the i-th "
+            "scheduler belongs to the i-th optimizer"
+        )
+    owners: dict[int, int] = {}  # optimizer position -> scheduler position
+    for j, s in enumerate(scheds):
+        bound = _bound_optimizer(s)
+        i = j if bound is None else _owner(opts, bound)
+        if i is None and not isinstance(_optimizer_of(opts[j]), Optimizer):
+            i = j  # its instance was converted before (loops.lightning): by position
+        if i is None:
+            raise ValueError(
+                f"{where}[1][{j}]: this torch LR scheduler was built on a "
+                f"{type(bound).__name__} that is not among the optimizers returned with it"
+            )
+        o = opts[i]
+        if i in owners or (isinstance(o, Mapping) and o.get("lr_scheduler") is not None):
+            name = o.get("name", str(i)) if isinstance(o, Mapping) else str(i)
+            raise ValueError(
+                f"{where}: optimizer {name!r} has two schedulers (one torch scheduler can "
+                "step several: torch.optim.lr_scheduler.ChainedScheduler)"
+            )
+        owners[i] = j
+    entries = []
+    for i, o in enumerate(opts):
+        at = f"{where}[0][{i}]"
+        if i not in owners:
+            entries.append(_entry(o, str(i), at, params))
+            continue
+        j = owners[i]
+        spec = {**o} if isinstance(o, Mapping) else {"optimizer": o}
+        spec["lr_scheduler"] = scheds[j]
+        entries.append(_entry(spec, str(i), at, params, sched_where=f"{where}[1][{j}]"))
+    return _checked(entries)
 
 
 def _checked(entries: list[OptimizerConfig]) -> list[OptimizerConfig]:

@@ -22,6 +22,14 @@ A callback can request changes the same way, so users write their own metric-dri
 
 Setting the value before the batch's events means a ``LearningRateMonitor`` sees the rate
 the step uses.
+
+A translated torch scheduler (``engine.optim.TorchSchedule``) sets one rate per param group
+(``{"lr": [lr_0, lr_1, ...]}``), and where its class cycles momentum (``CyclicLR``,
+``OneCycleLR``, or a ``SequentialLR`` / ``ChainedScheduler`` holding one) also the momentum,
+under the injected name ``MOMENTUM_NAMES`` gives for the group entry torch writes:
+``"momentum"`` for SGD-like optimizers' ``momentum`` and for Adam-like ones' ``betas[0]``
+(the optimizer converted with it carries ``momentum`` as beta1:
+``engine.optim.torch_instances.beta1_as_momentum``).
 """
 
 from __future__ import annotations
@@ -30,15 +38,47 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from purestep.engine.optim import MultiOptState, find_injected, injected_values
+from purestep.engine.optim.torch_schedules import MOMENTUM_NAMES, TorchSchedule
 from purestep.engine.state import TrainState
 
 from .events import NOTHING, Requests
 from .optimizers import SchedulerConfig
 
-__all__ = ["STATE_KEY", "LRSchedulers"]
+__all__ = ["STATE_KEY", "LRSchedulers", "scheduled_values"]
 
 #: Where the plateau schedulers' counters live in ``TrainState.extra``.
 STATE_KEY = "lr_schedulers"
+
+
+def scheduled_values(schedule: Any, k: int) -> dict[str, Any]:
+    """What ``schedule`` (not a plateau) sets at its step ``k``: injected hyper-parameter
+    name -> a float, or one float per param group (a torch scheduler's translation, which
+    also sets the momentum it cycles, under ``MOMENTUM_NAMES``)."""
+    if not isinstance(schedule, TorchSchedule):
+        return {"lr": float(schedule(k))}
+    lrs = list(schedule.lrs(k))
+    out: dict[str, Any] = {"lr": lrs[0] if len(lrs) == 1 else lrs}
+    if schedule.momentum_key is not None:
+        moms = list(schedule.momentums(k))
+        out[MOMENTUM_NAMES[schedule.momentum_key]] = moms[0] if len(moms) == 1 else moms
+    return out
+
+
+def _check_torch(optimizer: str, schedule: TorchSchedule, opt_state: Any) -> None:
+    """A torch scheduler's optimizer state holds a rate (and the cycled momentum) for each
+    of its param groups."""
+    names = ["lr"]
+    if schedule.momentum_key is not None:
+        names.append(MOMENTUM_NAMES[schedule.momentum_key])
+    for name in names:
+        have = len(injected_values(opt_state, name))
+        if have != schedule.num_groups:
+            raise ValueError(
+                f"optimizer {optimizer!r}: its torch scheduler ({schedule.name}) schedules "
+                f"{name!r} for {schedule.num_groups} param group(s), but the optimizer state "
+                f"holds {have} injected {name!r} value(s); give the scheduler with the torch "
+                "optimizer it was built on"
+            )
 
 
 class LRSchedulers:
@@ -55,22 +95,26 @@ class LRSchedulers:
     def __bool__(self) -> bool:
         return bool(self.configs)
 
-    def _key(self, cfg: SchedulerConfig) -> str:
-        return f"{cfg.optimizer}/lr" if self.multi else "lr"
+    def _key(self, cfg: SchedulerConfig, name: str = "lr") -> str:
+        return f"{cfg.optimizer}/{name}" if self.multi else name
 
     def _opt_state(self, state: TrainState, cfg: SchedulerConfig) -> Any:
         opt = state.opt_state
         return opt.states[cfg.optimizer] if isinstance(opt, MultiOptState) else opt
 
     def check(self, state: TrainState) -> None:
-        """Every scheduled optimizer must have an injected learning rate."""
+        """Every scheduled optimizer must have an injected learning rate (one per param
+        group a torch scheduler schedules, and the momentum it cycles)."""
         for cfg in self.configs:
-            if not any("lr" in s.hyperparams for s in find_injected(self._opt_state(state, cfg))):
+            opt_state = self._opt_state(state, cfg)
+            if not any("lr" in s.hyperparams for s in find_injected(opt_state)):
                 raise ValueError(
                     f"optimizer {cfg.optimizer!r} has a learning-rate scheduler, but its "
                     "learning rate is not in the optimizer state: build it with "
                     "optim.inject_hyperparams, e.g. optim.inject_hyperparams(optim.adam)(lr=1e-3)"
                 )
+            if isinstance(cfg.scheduler, TorchSchedule):
+                _check_torch(cfg.optimizer, cfg.scheduler, opt_state)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with counters for every plateau scheduler (kept if already there)."""
@@ -84,11 +128,20 @@ class LRSchedulers:
             return state
         return state.replace(extra={**state.extra, STATE_KEY: counters})
 
-    def _set(self, state: TrainState, cfg: SchedulerConfig, value: float) -> dict[str, Any]:
-        current = injected_values(self._opt_state(state, cfg), "lr")
-        if all(v == value for v in current):
-            return {}
-        return {self._key(cfg): value}
+    def _set(self, state: TrainState, cfg: SchedulerConfig, k: int) -> dict[str, Any]:
+        """The requests that bring ``cfg``'s optimizer to its schedule's values at ``k``
+        (none for values it holds already)."""
+        opt_state = self._opt_state(state, cfg)
+        changes: dict[str, Any] = {}
+        for name, value in scheduled_values(cfg.scheduler, k).items():
+            current = injected_values(opt_state, name)
+            if isinstance(value, list):
+                if current == value:
+                    continue
+            elif all(v == value for v in current):
+                continue
+            changes[self._key(cfg, name)] = value
+        return changes
 
     def epoch_start(self, state: TrainState) -> Requests:
         """The epoch schedules' learning rates for the epoch about to run."""
@@ -96,7 +149,7 @@ class LRSchedulers:
         epoch = state.progress.epoch
         for cfg in self.configs:
             if cfg.interval == "epoch" and not cfg.plateau:
-                changes.update(self._set(state, cfg, float(cfg.scheduler(epoch // cfg.frequency))))
+                changes.update(self._set(state, cfg, epoch // cfg.frequency))
         return Requests(hyperparams=changes) if changes else NOTHING
 
     def _steps(self, state: TrainState, cfg: SchedulerConfig) -> int:
@@ -116,7 +169,7 @@ class LRSchedulers:
         for cfg in self.configs:
             if cfg.interval == "step" and not cfg.plateau:
                 k = self._steps(state, cfg) // cfg.frequency
-                changes.update(self._set(state, cfg, float(cfg.scheduler(k))))
+                changes.update(self._set(state, cfg, k))
         return Requests(hyperparams=changes) if changes else NOTHING
 
     def step_start(self, state: TrainState, optimizer: str) -> Requests:
@@ -127,7 +180,7 @@ class LRSchedulers:
         for cfg in self.configs:
             if cfg.optimizer == optimizer and cfg.interval == "step" and not cfg.plateau:
                 k = self._steps(state, cfg) // cfg.frequency
-                changes.update(self._set(state, cfg, float(cfg.scheduler(k))))
+                changes.update(self._set(state, cfg, k))
         return Requests(hyperparams=changes) if changes else NOTHING
 
     def has_step_schedules(self) -> bool:

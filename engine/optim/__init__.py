@@ -11,7 +11,9 @@ with ``chain`` and the wrappers (``accumulate``, ``skip_nonfinite``, ``inject_hy
 ``from_torch(torch.optim.NAdam, lr=...)`` runs any ``torch.optim.Optimizer`` subclass as a
 pure transform, bitwise equal to driving it by hand; ``as_transformation`` turns what the
 Trainer accepts as an optimizer (a transform, a torch optimizer class or a
-``functools.partial`` of one) into a transform.
+``functools.partial`` of one) into a transform. ``from_torch_scheduler(sched)`` translates a
+``torch.optim.lr_scheduler`` object into a ``TorchSchedule`` (its learning rates, and cycled
+momenta, after ``k`` steps, bitwise torch's) or, for ``ReduceLROnPlateau``, the engine's.
 
 States are ``@struct`` pytrees holding tensors and plain int counters. Nothing here modifies
 its inputs except under ``donating()``, which lets the built-in transforms reuse the
@@ -51,6 +53,7 @@ from .rmsprop import RMSpropState, rmsprop
 from .scaling import ScaleByScheduleState, scale, scale_by_schedule
 from .schedules import Schedule
 from .sgd import SGDState, sgd
+from .torch_schedules import TorchSchedule, from_torch_scheduler
 from .weight_decay import add_decayed_weights
 
 __all__ = [
@@ -74,6 +77,7 @@ __all__ = [
     "Schedule",
     "SkipNonFiniteState",
     "TorchOptimizerState",
+    "TorchSchedule",
     "Updates",
     "accumulate",
     "adagrad",
@@ -90,6 +94,7 @@ __all__ = [
     "donating",
     "find_injected",
     "from_torch",
+    "from_torch_scheduler",
     "global_norm",
     "identity",
     "inject_hyperparams",

@@ -97,20 +97,61 @@ def _describe(obj: Any) -> str:
     return f"a {type(obj).__name__} ({obj!r:.80})"
 
 
+#: What torch's LR schedulers write into a param group beside ``lr`` (and ``momentum`` /
+#: ``betas``): their own bookkeeping, no argument of any optimizer.
+SCHEDULER_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")
+
+
+def _signature_parameters(cls: type) -> tuple[dict[str, Any], bool] | None:
+    """``cls``'s constructor arguments after ``params`` (name -> default, ``empty`` when it
+    has none) and whether it takes ``**kwargs``; None if it has no signature."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    named = {
+        p.name: p.default
+        for p in params
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def group_arguments(opt: Optimizer, group: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The constructor arguments a built optimizer's param group holds, by name, and the
+    group's other entries (``[]`` when every one is accounted for). Left out: ``params``,
+    ``param_names``, ``name``, what LR schedulers add (``SCHEDULER_GROUP_KEYS``) and what the
+    class sets itself (its ``defaults`` entries that are no arguments, such as AdamW's
+    ``decoupled_weight_decay``, while they hold the class's value)."""
+    sig = _signature_parameters(type(opt))
+    named, var_kw = sig if sig is not None else ({}, True)
+    args: dict[str, Any] = {}
+    other: list[str] = []
+    for key, value in group.items():
+        if key in _GROUP_RESERVED or key == "name" or key in SCHEDULER_GROUP_KEYS:
+            continue
+        if key in named or var_kw:
+            args[key] = value
+        elif key in opt.defaults and _same(opt.defaults[key], value):
+            continue
+        else:
+            other.append(key)
+    return args, other
+
+
 def _instance_message(opt: Optimizer, what: str = "from_torch()'s argument") -> str:
-    """The error for an already-built optimizer: the ``from_torch`` call that replaces it."""
+    """The error for an already-built optimizer: the ``from_torch`` call that replaces it
+    (its constructor arguments that differ from the defaults; never what an LR scheduler
+    wrote into its param groups, and ``lr`` as given before a scheduler changed it)."""
     cls = type(opt)
     name = _qualname(cls)
-    try:
-        sig_defaults = {
-            k: p.default
-            for k, p in inspect.signature(cls).parameters.items()
-            if p.default is not inspect.Parameter.empty
-        }
-    except (TypeError, ValueError):
-        sig_defaults = {}
+    sig = _signature_parameters(cls)
+    sig_defaults = sig[0] if sig is not None else {}
     groups = opt.param_groups
-    first = {k: v for k, v in groups[0].items() if k not in _GROUP_RESERVED} if groups else {}
+    first, _ = group_arguments(opt, groups[0]) if groups else ({}, [])
+    touched = bool(groups) and "initial_lr" in groups[0]
+    if touched and "lr" in first:
+        first["lr"] = groups[0]["initial_lr"]
     args = "".join(
         f", {k}={v!r}"
         for k, v in first.items()
@@ -122,11 +163,19 @@ def _instance_message(opt: Optimizer, what: str = "from_torch()'s argument") -> 
         if len(groups) > 1
         else ""
     )
+    scheduled = (
+        " A torch LR scheduler was built on it: in configure_optimizers return the two "
+        "together, ([optimizer], [scheduler]) or {'optimizer': optimizer, 'lr_scheduler': "
+        "scheduler}, and purestep translates the pair (the optimizer's parameters must be "
+        "the module's)."
+        if touched
+        else ""
+    )
     return (
         f"{what} is a {name} instance, already bound to some module's parameters. purestep "
         "needs an engine.optim transform, which keeps the optimizer state in the TrainState "
         f"and steps it purely: pass the class and its arguments instead, "
-        f"optim.from_torch({name}{args}) or functools.partial({name}{args}).{more}"
+        f"optim.from_torch({name}{args}) or functools.partial({name}{args}).{more}{scheduled}"
     )
 
 
@@ -221,7 +270,15 @@ def _bind(cls: type, name: str, args: tuple, kwargs: dict[str, Any]) -> dict[str
     try:
         bound = sig.bind(None, *args, **kwargs)
     except TypeError as e:
-        raise TypeError(f"from_torch({name}, ...): {e}") from None
+        hint = ""
+        stray = [k for k in kwargs if k in SCHEDULER_GROUP_KEYS]
+        if stray:
+            hint = (
+                f" ({stray[0]} is what a torch LR scheduler writes into a param group, not an "
+                "argument of the optimizer: leave it out, and give the scheduler to the "
+                "Trainer with the optimizer it was built on)"
+            )
+        raise TypeError(f"from_torch({name}, ...): {e}{hint}") from None
     out: dict[str, Any] = {}
     for key, value in bound.arguments.items():
         kind = sig.parameters[key].kind

@@ -13,7 +13,11 @@ Lightning's list of optimizers.
 
 An already-built torch optimizer (bound to some module's parameters, Lightning's
 ``torch.optim.Adam(self.parameters(), lr=...)``) is refused with the ``from_torch`` call
-that replaces it, and anything else with the list of accepted forms.
+that replaces it (its constructor arguments only: never what an LR scheduler wrote into
+its param groups), and anything else with the list of accepted forms. Returned from
+``configure_optimizers`` together with the torch LR scheduler built on it, an instance is
+taken (``loops.optimizers``: ``torch_instances.from_instance`` names its params through
+the module).
 """
 
 from __future__ import annotations

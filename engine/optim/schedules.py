@@ -5,8 +5,11 @@ sees ``schedule(0)``, as with a torch LR scheduler stepped after each optimizer 
 Every schedule is a closed form of ``count`` (no hidden state), and the arguments are
 checked when the schedule is made. Names follow torch's schedulers where one exists:
 ``step`` ~ ``StepLR``, ``multistep`` ~ ``MultiStepLR``, ``exponential`` ~ ``ExponentialLR``,
-``linear`` ~ ``LinearLR``, ``cosine`` ~ ``CosineAnnealingLR``, ``one_cycle`` ~ ``OneCycleLR``
-(the values agree to rounding; torch's chained forms multiply step by step).
+``linear`` ~ ``LinearLR``, ``cosine`` ~ ``CosineAnnealingLR`` (up to ``T_max`` only),
+``one_cycle`` ~ ``OneCycleLR`` (without its momentum cycling). They are closed forms, so they
+agree with torch's recursive ("chainable") forms to rounding only; for torch's exact values
+translate the torch scheduler object itself (``engine.optim.from_torch_scheduler``, which the
+Trainer does for a scheduler returned from ``configure_optimizers``).
 """
 
 from __future__ import annotations
@@ -76,8 +79,15 @@ def linear(
 
 
 def cosine(init_value: float, decay_steps: int, end_value: float = 0.0) -> Schedule:
-    """Half a cosine from ``init_value`` down to ``end_value`` over ``decay_steps`` steps,
-    then ``end_value`` (``CosineAnnealingLR`` with ``T_max=decay_steps``, ``eta_min=end``)."""
+    """``end_value + (init_value - end_value) * (1 + cos(pi * t / decay_steps)) / 2`` with
+    ``t = min(count, decay_steps)``: half a cosine from ``init_value`` down to ``end_value``
+    over ``decay_steps`` steps, then ``end_value`` for ever.
+
+    Up to ``decay_steps`` this is the closed form of ``CosineAnnealingLR(T_max=decay_steps,
+    eta_min=end_value)`` (equal to rounding: torch's steps are recursive). Past ``T_max``
+    torch's rate rises again, along the continued cosine, where this one holds at
+    ``end_value``; for torch's exact values, past ``T_max`` too, translate the scheduler
+    object (``engine.optim.from_torch_scheduler``)."""
     init_value = _finite("init_value", init_value)
     end_value = _finite("end_value", end_value)
     decay_steps = _steps("decay_steps", decay_steps, 1)
