@@ -13,7 +13,6 @@ so the folders ``engine/``, ``loops/`` and ``hardware/`` install as its subpacka
 from __future__ import annotations
 
 import importlib as _importlib
-from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
@@ -32,6 +31,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     )
     from .loops import DataModule, Task, Trainer, Tuner, callbacks, data, loggers
     from .loops.command_line import cli
+    from .loops.lightning import LightningModule
     from .loops.seeding import seed_everything
 
 # Where each entry point lives. They are imported on first use, so ``import purestep.engine``
@@ -60,17 +60,27 @@ _ENTRY_POINTS = {
         for name in ("DataModule", "Task", "Trainer", "Tuner", "callbacks", "data", "loggers")
     },
     "seed_everything": ("purestep.loops.seeding", "seed_everything"),
+    "LightningModule": ("purestep.loops.lightning", "LightningModule"),
     # jsonargparse (the cli extra) loads when it is called
     "cli": ("purestep.loops.command_line", "cli"),
 }
 
-try:
-    __version__ = _metadata.version("purestep")
-except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata, read on first use: it
+    costs an import and a scan of the installed packages that most runs never need)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("purestep")
+    except metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "0+unknown"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        version = globals()["__version__"] = _version()
+        return version
     if name not in _ENTRY_POINTS:
         raise AttributeError(f"module 'purestep' has no attribute {name!r}")
     module_name, attribute = _ENTRY_POINTS[name]
@@ -81,11 +91,12 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_ENTRY_POINTS})
+    return sorted({*globals(), *_ENTRY_POINTS, "__version__"})
 
 
 __all__ = [
     "DataModule",
+    "LightningModule",
     "Task",
     "TrainState",
     "Trainer",

@@ -60,8 +60,15 @@ median over rounds of the per-round ratio of the two sides' epochs: a background
 slows a whole round cancels out of it, while the ratio of two medians (printed too) can
 swing by 0.1-0.2 on this shared machine. The last line is ``ratio=<fit / raw>
 step_ratio=<step_loop / raw> loop_ratio=<fit / step_loop> immutable_ratio=<fit_immutable /
-raw> profiler_ratio=<fit_profiled / fit> compiled_ratio=<fit_compiled / raw>`` (target
-for profiler_ratio: within 1.05; for compiled_ratio: at most 0.5).
+raw> profiler_ratio=<fit_profiled / fit> compiled_ratio=<fit_compiled / raw>
+lightning_ratio=<fit_lightning / fit_task_torch_adam>`` (target for profiler_ratio: within
+1.05; for compiled_ratio: at most 0.5; for lightning_ratio: at most 1.05).
+
+Two more sides compare the two ways of writing the model for the Trainer: fit_lightning is
+the MLP as a ``purestep.LightningModule`` (``self.log("train_loss", loss)``, a torch
+``Adam(self.parameters())``), fit_task_torch_adam the Task form with the same optimizer
+(``optim.from_torch(torch.optim.Adam)``); their ratio is what the Lightning-style adapter
+costs (binding the module, the ``self.log`` buffer, the batch-index hook).
 
 The compiled side, ``Trainer(compile=True)``, runs in its own interleaved rounds against raw
 (fewer of them: each fit compiles its step anew): each round fits two epochs and times the
@@ -92,6 +99,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import purestep
 from purestep import engine
 from purestep.engine import optim
 from purestep.loops import Trainer
@@ -129,6 +137,24 @@ def mlp() -> nn.Module:
 def loss_fn(apply: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(apply(x), y)
+
+
+class LitMLP(purestep.LightningModule):
+    """The same MLP written as a Lightning user writes it: ``self.log`` of the loss and a
+    torch Adam over ``self.parameters()``."""
+
+    def __init__(self, template: nn.Module) -> None:
+        super().__init__()
+        self.net = copy.deepcopy(template)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=LR)
 
 
 class Workload:
@@ -181,6 +207,27 @@ class Workload:
             state = trainer.fit(self.template, loss_fn, optim.adam(LR), self.loader())
         if not self.messages:
             self.messages = [line for line in said.getvalue().splitlines() if line.strip()]
+        return state.progress.step
+
+    def fit_task_torch_adam(self) -> int:
+        """The Task form with the optimizer the Lightning-style module uses (torch's Adam,
+        through ``optim.from_torch``): the baseline of ``lightning_ratio``."""
+        trainer = Trainer(**FAIR)
+        template = copy.deepcopy(self.template)
+        with contextlib.redirect_stderr(io.StringIO()):
+            state = trainer.fit(
+                _Wrapped(template),
+                loss_fn,
+                optim.from_torch(torch.optim.Adam, lr=LR),
+                self.loader(),
+            )
+        return state.progress.step
+
+    def fit_lightning(self) -> int:
+        """The Lightning-style module (``LitMLP``) under the same Trainer."""
+        trainer = Trainer(**FAIR)
+        with contextlib.redirect_stderr(io.StringIO()):
+            state = trainer.fit(LitMLP(self.template), self.loader())
         return state.progress.step
 
     def fit_compiled(self, backend: str = "inductor") -> tuple[int, float, float]:
@@ -282,6 +329,17 @@ def profile(work: Workload) -> None:
     stats.sort_stats("tottime").print_stats(r"/(loops|engine|hardware)/", 25)
 
 
+class _Wrapped(nn.Module):
+    """The template under a ``net`` attribute, so both sides' parameters are named alike."""
+
+    def __init__(self, template: nn.Module) -> None:
+        super().__init__()
+        self.net = template
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few epochs only (smoke run)")
@@ -319,6 +377,11 @@ def main() -> None:
                 "fit_profiled",
             ),
         ),
+        "fit_task_torch_adam": (
+            nothing,
+            checked(work.fit_task_torch_adam, n, "fit_task_torch_adam"),
+        ),
+        "fit_lightning": (nothing, checked(work.fit_lightning, n, "fit_lightning")),
     }
     for _, run in sides.values():  # warm-up: one epoch each
         run(None)
@@ -329,6 +392,7 @@ def main() -> None:
     ratios = report(times, n)
     loop_ratio = paired(times["fit"], times["step_loop"])
     profiler_ratio = paired(times["fit_profiled"], times["fit"])
+    lightning_ratio = paired(times["fit_lightning"], times["fit_task_torch_adam"])
     raw_us = statistics.median(times["raw"]) / n * 1e6
     print(
         f"  split (paired ratios x the raw median): engine step over torch's "
@@ -372,7 +436,8 @@ def main() -> None:
     print(
         f"ratio={ratios['fit']:.3f} step_ratio={ratios['step_loop']:.3f} "
         f"loop_ratio={loop_ratio:.3f} immutable_ratio={ratios['fit_immutable']:.3f} "
-        f"profiler_ratio={profiler_ratio:.3f} compiled_ratio={compiled_ratio:.3f}"
+        f"profiler_ratio={profiler_ratio:.3f} compiled_ratio={compiled_ratio:.3f} "
+        f"lightning_ratio={lightning_ratio:.3f}"
     )
 
 

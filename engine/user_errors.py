@@ -6,6 +6,11 @@ Two helpers used wherever the engine calls a loss, eval or predict function:
   PyTorch Lightning's way, ``fn(batch, batch_idx)``, with a ``TypeError`` that says what the
   engine calls instead, ``fn(apply, batch)``; left alone, such a function fails on its first
   call with an unrelated message (``'Flatten' object has no attribute 'flatten'``).
+* ``check_call(fn, args, ...)`` runs when a run starts, for the hooks the loops will call
+  later (a Task's ``on_*`` hooks, a callback's handlers): a hook that cannot take the
+  arguments it will get, or that has a Lightning callback's ``(trainer, pl_module)``, is a
+  ``TypeError`` naming it, the signature found and the one expected, instead of failing
+  an epoch later with ``takes 1 positional argument but 3 were given``.
 * ``annotate(exc, fn, stage, batch)`` runs only when the user's function raised: it adds a
   note (PEP 678) naming the function, the step and the batch's structure, then the caller
   re-raises the same exception. The call sites wrap the user call in ``try`` / ``except``,
@@ -23,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["annotate", "check_signature", "describe_function", "summarize"]
+__all__ = ["annotate", "check_call", "check_signature", "describe_function", "summarize"]
 
 #: Every note this module adds starts with this (it also marks an exception as annotated).
 NOTE_PREFIX = "purestep:"
@@ -109,6 +114,48 @@ def check_signature(fn: Any, what: str, *, method: bool = False) -> None:
         f"{subject} {shape}; purestep "
         f"calls {expects}, where apply is the model bound to the state's tensors (call it "
         f"like the module: apply(x)) and no batch index is passed. For example: {example}"
+    )
+
+
+# --------------------------------------------------------------------------- hooks
+
+#: The first parameters of a PyTorch Lightning callback hook.
+_LIGHTNING_HOOK = ["trainer", "pl_module"]
+
+
+def _shown_signature(fn: Any, signature: inspect.Signature) -> str:
+    """``fn``'s signature as written, ``self`` included for a bound method."""
+    if inspect.ismethod(fn):
+        try:
+            return str(inspect.signature(fn.__func__))
+        except (TypeError, ValueError):
+            pass
+    return str(signature)
+
+
+def check_call(fn: Any, args: tuple[str, ...], name: str, expected: str, explain: str) -> None:
+    """Raise ``TypeError`` if ``fn`` cannot be called with the positional arguments named
+    ``args`` (the way the loops will call it), or if it takes Lightning's callback
+    arguments ``(trainer, pl_module, ...)``. ``name`` names it (``"MyCallback.on_fit_end"``),
+    ``expected`` is the signature the loops call (``"on_fit_end(self, state, ctx)"``) and
+    ``explain`` says what the arguments are and what it returns. Anything whose signature
+    cannot be read passes."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    names = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
+    lightning = names[:2] == _LIGHTNING_HOOK
+    try:
+        signature.bind(*args)
+    except TypeError as err:
+        problem = f"does not take the arguments the loops pass ({err})"
+    else:
+        if not lightning:
+            return
+        problem = "has a PyTorch Lightning callback's signature (trainer, pl_module, ...)"
+    raise TypeError(
+        f"{name}{_shown_signature(fn, signature)} {problem}; purestep calls {expected}: {explain}"
     )
 
 

@@ -13,9 +13,9 @@ its ``Tuner`` (``tuning``: learning-rate finder, batch-size scaler).
 ``seed_everything`` seeds the global generators the user's own code draws from (building
 the model, making data) and records the seed that ``Trainer.fit`` defaults to.
 ``log(value, on_step=..., on_epoch=...)`` chooses how a value a step returns is logged.
-``testing`` (hypothesis strategies; needs the ``test`` extra) is imported on first use, and
-so is ``cli`` (the config-file command line, in ``loops.command_line``; needs the ``cli``
-extra).
+Every name is imported on first use (``import purestep.loops`` loads nothing else), among
+them ``testing`` (hypothesis strategies; needs the ``test`` extra) and ``cli`` (the
+config-file command line, in ``loops.command_line``; needs the ``cli`` extra).
 
 Note: the names ``fit``, ``evaluate`` and ``predict`` are the functions; the modules of the
 same names stay importable (``from purestep.loops.fit import FitLoop``).
@@ -23,33 +23,75 @@ same names stay importable (``from purestep.loops.fit import FitLoop``).
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 from typing import Any
 
-from . import callbacks, data, loggers, profiling, schedule, tuning
-from .aggregate import log
-from .config import FLAG_NAMES, LoopConfig
-from .data import Batches, as_list, batches, combine, keyed, source
-from .driver import Driver
-from .evaluate import evaluate, run_evaluation, test, validate
-from .events import (
-    EVENTS,
-    FIT_EVENTS,
-    PREDICT_EVENTS,
-    TEST_EVENTS,
-    VALIDATE_EVENTS,
-    Context,
-    Requests,
-    Stage,
-    dispatch,
-)
-from .fit import FitLoop, NonFiniteLossError, fit
-from .loop_state import LoopState
-from .multi_optim import MultiStep, OptimizerHandle
-from .predict import predict, run_prediction
-from .seeding import reset_seed, seed_everything
-from .task import DataModule, Task, task_callback
-from .trainer import Trainer, TrainerStatus
-from .tuning import Tuner
+#: Where each name lives: ``name -> (module, attribute)``, the module itself when the
+#: attribute is None. Everything is imported on first use, so ``import
+#: purestep.loops.command_line`` (``python -m purestep fit --help``) loads only what the
+#: command line needs, not the loggers, the callbacks and the tuner as well.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    **{
+        name: (f".{name}", None)
+        for name in (
+            "callbacks",
+            "data",
+            "lightning",
+            "loggers",
+            "profiling",
+            "schedule",
+            "testing",  # needs hypothesis (the test extra)
+            "tuning",
+        )
+    },
+    "log": (".aggregate", "log"),
+    "FLAG_NAMES": (".config", "FLAG_NAMES"),
+    "LoopConfig": (".config", "LoopConfig"),
+    **{n: (".data", n) for n in ("Batches", "as_list", "batches", "combine", "keyed", "source")},
+    "Driver": (".driver", "Driver"),
+    **{n: (".evaluate", n) for n in ("evaluate", "run_evaluation", "test", "validate")},
+    **{
+        n: (".events", n)
+        for n in (
+            "EVENTS",
+            "FIT_EVENTS",
+            "PREDICT_EVENTS",
+            "TEST_EVENTS",
+            "VALIDATE_EVENTS",
+            "Context",
+            "Requests",
+            "Stage",
+            "dispatch",
+        )
+    },
+    **{n: (".fit", n) for n in ("FitLoop", "NonFiniteLossError", "fit")},
+    "LoopState": (".loop_state", "LoopState"),
+    **{n: (".multi_optim", n) for n in ("MultiStep", "OptimizerHandle")},
+    **{n: (".predict", n) for n in ("predict", "run_prediction")},
+    **{n: (".seeding", n) for n in ("reset_seed", "seed_everything")},
+    **{n: (".task", n) for n in ("DataModule", "Task", "task_callback")},
+    **{n: (".trainer", n) for n in ("Trainer", "TrainerStatus")},
+    "Tuner": (".tuning", "Tuner"),
+    # the command line: jsonargparse (the cli extra) loads when it is called
+    "cli": (".command_line", "cli"),
+}
+
+#: Functions named like the module that holds them (``loops.fit`` is the function): when
+#: the module is first imported, by anyone, the import system binds it on this package;
+#: the function is bound instead, as the eager ``from .fit import fit`` did.
+_SHADOWED = frozenset({"fit", "evaluate", "predict"})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "EVENTS",
@@ -84,6 +126,7 @@ __all__ = [
     "evaluate",
     "fit",
     "keyed",
+    "lightning",
     "log",
     "loggers",
     "predict",
@@ -103,14 +146,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "testing":  # needs hypothesis, so only imported when asked for
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
-        return importlib.import_module(".testing", __name__)
-    if name == "cli":  # the command line (jsonargparse, the cli extra, loads when it is called)
-        import importlib
 
-        function = importlib.import_module(".command_line", __name__).cli
-        globals()["cli"] = function  # later look-ups skip this function
-        return function
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -62,6 +62,9 @@ class Logged:
     reduce: str = field(static=True, default="mean")
     prog_bar: bool | None = field(static=True, default=None)
     logger: bool = field(static=True, default=True)
+    #: False: the name is logged as given, without the stage's prefix (``self.log`` of a
+    #: Lightning-style module names its values itself)
+    prefix: bool = field(static=True, default=True)
 
 
 def log(
@@ -131,7 +134,7 @@ def _spec(name: str, stage: str, opts: Logged | None) -> tuple[str, MetricSpec]:
         name,
         None
         if opts is None
-        else (opts.on_step, opts.on_epoch, opts.reduce, opts.prog_bar, opts.logger),
+        else (opts.on_step, opts.on_epoch, opts.reduce, opts.prog_bar, opts.logger, opts.prefix),
     )
     found = _SPECS.get(key)
     if found is None:
@@ -146,7 +149,8 @@ def _spec(name: str, stage: str, opts: Logged | None) -> tuple[str, MetricSpec]:
             prog_bar=prog_bar,
             logger=opts.logger if opts else True,
         )
-        found = _SPECS[key] = (_full_name(name, stage), spec)
+        full = name if opts is not None and not opts.prefix else _full_name(name, stage)
+        found = _SPECS[key] = (full, spec)
     return found
 
 

@@ -26,11 +26,19 @@ classes named on the command line, parses::
 - ``PURESTEP_TRAINER_<FLAG>`` environment variables still apply, under the explicit values:
   signature default < ``trainer_defaults`` < environment < config files < command line;
 - the resolved config (the subcommand's section) is written to ``<log_dir>/config.yaml`` by
-  rank 0, as Lightning's ``SaveConfigCallback`` does. An existing file with other contents
-  is an error before the run starts, unless ``save_config_kwargs={"overwrite": True}`` (an
-  identical one is left as it is, so relaunching the same command is fine). A fit resuming
-  from ``--ckpt_path`` continues the run folder its checkpoint recorded, known only once
-  the run started, so it writes the file then, keeping one already there;
+  rank 0 when the run starts (its ``setup`` event: after the arguments, the data module's
+  ``prepare_data`` / ``setup``, the model and the optimizer are in place), as Lightning's
+  ``SaveConfigCallback`` writes it in its ``setup`` hook: the record of a run that
+  started, so a run refused before (bad data, a failing ``setup``) leaves no run folder
+  with a config behind. An existing file with other contents is an error before the run
+  starts, unless ``save_config_kwargs={"overwrite": True}`` (an identical one is left as it
+  is, so relaunching the same command is fine). A fit resuming from ``--ckpt_path``
+  continues the run folder its checkpoint recorded, known only once the run started, so
+  it keeps a file already there (with a warning if it differs);
+- a Trainer flag value the Trainer refuses (``--trainer.max_epochs -5``) is a parser
+  error naming the option and the reason (exit code 2, no traceback), as a value of the
+  wrong type is; without a model class the error says how to name one
+  (``--model.class_path``, or ``model:`` in a ``--config`` file);
 - an unknown key, in a config file or on the command line, is an error naming it and the
   closest valid key ("did you mean ...?"); options are never abbreviated.
 
@@ -172,9 +180,11 @@ class CLI:
         self._parsers: dict[str | None, Any] = {}
         if run:
             subcommands = self.parser.add_subcommands(required=True, dest="subcommand")
+            chosen = _chosen_subcommand(sys.argv[1:] if args is None else args)
             for name in SUBCOMMANDS:
                 sub = parser_class(allow_abbrev=False)
-                self._add_arguments(sub, name)
+                if chosen in (None, name):  # the others' options are never read (it saves time)
+                    self._add_arguments(sub, name)
                 summary = inspect.getdoc(getattr(Trainer, name)) or ""
                 subcommands.add_subcommand(name, sub, help=summary.split("\n")[0])
                 self._parsers[name] = sub
@@ -193,7 +203,7 @@ class CLI:
         built = built[self.subcommand] if self.subcommand else built
         self.model: Task = built.get("model")
         self.datamodule: DataModule | None = built.get("data")
-        self.trainer = Trainer(**vars(built.get("trainer")))
+        self.trainer = self._build_trainer(vars(built.get("trainer")))
         self.result: Any = None
         self._saved: str | None = None
         if self.subcommand is not None:
@@ -259,6 +269,15 @@ class CLI:
         if defaults:
             parser.set_defaults(defaults)
 
+    def _build_trainer(self, flags: Mapping[str, Any]) -> Trainer:
+        """The Trainer; a flag value it refuses is a parser error naming the option."""
+        try:
+            return Trainer(**flags)
+        except (TypeError, ValueError) as err:
+            parser = self._parsers.get(self.subcommand, self.parser)
+            parser.error(_flag_error(str(err), flags))
+            raise  # an error() that returns (it never does)
+
     # ------------------------------------------------------------------ running
 
     def _run(self, subcommand: str) -> Any:
@@ -271,15 +290,19 @@ class CLI:
         }
         if subcommand == "fit":  # the top-level seed, so every subcommand takes one config
             kwargs["seed"] = self.config.seed_everything
+        # a resumed fit adopts its checkpoint's run folder, known once its run started
         resuming = subcommand == "fit" and kwargs.get("ckpt_path") is not None
-        if self._save and not resuming:
-            self.save_config()
+        observers = self.trainer._observers
+        writer = _ConfigWriter(self, keep_existing=resuming)
+        if self._save:
+            if not resuming:
+                self.check_config()  # a conflicting file is refused before the run
+            observers.append(writer)
         try:
             return method(self.model, datamodule=self.datamodule, **kwargs)
         finally:
-            # a resumed fit adopts its checkpoint's run folder, known once its run started
-            if self._save and resuming and self.trainer._driver is not None:
-                self.save_config(keep_existing=True)
+            if writer in observers:
+                observers.remove(writer)
 
     def config_yaml(self) -> str:
         """The resolved config of the run as YAML (what ``--print_config`` prints)."""
@@ -289,34 +312,51 @@ class CLI:
         except (TypeError, ValueError):
             return parser.dump(self.config, skip_none=False)
 
+    def check_config(self, overwrite: bool | None = None) -> None:
+        """Refuse now what ``save_config`` would refuse: a different config already at
+        ``<trainer.log_dir>/config.yaml`` (unless ``overwrite``); writes nothing."""
+        if self.trainer.is_global_zero:
+            self._existing(overwrite, keep_existing=False)
+
+    def _existing(self, overwrite: bool | None, *, keep_existing: bool) -> tuple[str, bool]:
+        """``(path, whether to leave the file as it is)``; a different existing file is an
+        error unless ``overwrite`` or ``keep_existing`` (a warning then)."""
+        from .loggers.folders import join, url_to_fs
+
+        overwrite = self._overwrite if overwrite is None else overwrite
+        path = join(self.trainer.log_dir, self._filename)
+        fs, inner = url_to_fs(path)
+        if overwrite or not fs.exists(inner):
+            return path, False
+        with fs.open(inner, "r", encoding="utf-8") as f:
+            if f.read() == self.config_yaml():
+                return path, True
+        message = (
+            f"{path} exists and holds another config; not overwriting the record of "
+            "a previous run. Delete it, choose another default_root_dir / logger "
+            "version, or pass save_config_kwargs={'overwrite': True} (save_config=False "
+            "writes none)"
+        )
+        if keep_existing:
+            warnings.warn(message, UserWarning, stacklevel=4)
+            return path, True
+        raise RuntimeError(message)
+
     def save_config(self, overwrite: bool | None = None, *, keep_existing: bool = False) -> str:
         """Write the resolved config to ``<trainer.log_dir>/config.yaml`` on rank 0 and
         return its path ("" on other ranks). A different existing file is an error unless
         ``overwrite`` (default: the ``save_config_kwargs`` one); ``keep_existing`` keeps it
-        with a warning instead."""
-        from .loggers.folders import join, url_to_fs
+        with a warning instead. (A subcommand calls it when its run starts.)"""
+        from .loggers.folders import url_to_fs
 
         if not self.trainer.is_global_zero:
             return ""
-        overwrite = self._overwrite if overwrite is None else overwrite
-        path = join(self.trainer.log_dir, self._filename)
+        path, leave = self._existing(overwrite, keep_existing=keep_existing)
+        if leave:
+            self._saved = path
+            return path
         text = self.config_yaml()
         fs, inner = url_to_fs(path)
-        if fs.exists(inner) and not overwrite:
-            with fs.open(inner, "r", encoding="utf-8") as f:
-                if f.read() == text:
-                    self._saved = path
-                    return path
-            message = (
-                f"{path} exists and holds another config; not overwriting the record of "
-                "a previous run. Delete it, choose another default_root_dir / logger "
-                "version, or pass save_config_kwargs={'overwrite': True} (save_config=False "
-                "writes none)"
-            )
-            if keep_existing:
-                warnings.warn(message, UserWarning, stacklevel=2)
-                return path
-            raise RuntimeError(message)
         parent = inner.rsplit("/", 1)[0] if "/" in inner else ""
         if parent:
             fs.makedirs(parent, exist_ok=True)
@@ -324,6 +364,46 @@ class CLI:
             f.write(text)
         self._saved = path
         return path
+
+
+def _chosen_subcommand(args: Sequence[str]) -> str | None:
+    """The subcommand the command line names: its first word that is not an option (the
+    top-level parser has no options taking a value); None if there is none."""
+    for arg in args:
+        if not str(arg).startswith("-"):
+            return str(arg) if arg in SUBCOMMANDS else None
+    return None
+
+
+class _ConfigWriter:
+    """An observer of the run's events that writes the CLI's config at the run's start
+    (``setup``), as Lightning's ``SaveConfigCallback`` does in its ``setup`` hook."""
+
+    events = frozenset({"setup"})
+
+    def __init__(self, owner: CLI, *, keep_existing: bool) -> None:
+        self.owner = owner
+        self.keep_existing = keep_existing
+        self.written = False
+
+    def on_event(self, event: str, ctx: Any) -> None:
+        if not self.written:
+            self.written = True
+            self.owner.save_config(keep_existing=self.keep_existing)
+
+
+def _flag_error(message: str, flags: Mapping[str, Any]) -> str:
+    """A Trainer's refusal as a parser error: ``--trainer.<flag>=<value>: <reason>``, the
+    flag being the first one the reason names (``--trainer: <reason>`` if none)."""
+    named = [
+        (match.start(), name)
+        for name in flags
+        if (match := re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message))
+    ]
+    if not named:
+        return f"--trainer: {message}"
+    name = min(named)[1]
+    return f"--trainer.{name}={flags[name]!r} is refused: {message}"
 
 
 def _env_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -405,9 +485,31 @@ def _init_names(class_path: str) -> list[str]:
     return [p for p in params if p != "self"]
 
 
+_REQUIRED = re.compile(r"arguments are required: (?P<names>.*)")
+_HOW_TO_NAME = {
+    "model": (
+        "name the Task class: --model.class_path mypkg.MyTask (its arguments: "
+        "--model.init_args.<name>), or in a --config file: model: {class_path: mypkg.MyTask}"
+    ),
+    "data": (
+        "name the DataModule class: --data.class_path mypkg.MyData, or in a --config "
+        "file: data: {class_path: mypkg.MyData}"
+    ),
+}
+
+
+def _required_hints(message: str) -> list[str]:
+    """How to give the model or the data module a "required" error names."""
+    match = _REQUIRED.search(message)
+    if match is None:
+        return []
+    names = {n.strip().rpartition(".")[2] for n in match["names"].split(",")}
+    return [hint for key, hint in _HOW_TO_NAME.items() if key in names]
+
+
 def _with_suggestions(parser: Any, message: str) -> str:
     known = _keys(parser)
-    hints: list[str] = []
+    hints: list[str] = _required_hints(message)
     for pattern in _REFUSED:
         for match in pattern.finditer(message):
             found = match.groupdict()

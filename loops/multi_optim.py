@@ -408,6 +408,42 @@ class OptimizerHandle:
         self.called.append(index)
         return out
 
+    def apply_gradients(
+        self,
+        name: str | int,
+        grads: dict[str, torch.Tensor],
+        *,
+        loss: torch.Tensor | None = None,
+        batch_size: int = 0,
+    ) -> StepOutput:
+        """One update of optimizer ``name`` from gradients computed outside a pure step
+        (Lightning's imperative ``manual_backward`` + ``opt.step()``): ``grads`` maps each of
+        its parameter names to a gradient (a missing one counts as zero; the optimizer may
+        reuse their storage). Under several processes they are averaged first, as DDP's
+        backward does. The events before an update run as for ``step``."""
+        owner = self._owner
+        index = self._index(name)
+        names = owner.configs[index][2]
+        state = self.state
+        if self._before_step is not None:
+            state = self._before_step(state, index, owner.names[index])
+        sub = owner._sub_state(state, index, len(self.called))
+        values = {n: grads[n] if n in grads else torch.zeros_like(sub.params[n]) for n in names}
+        strategy = owner.strategy
+        if strategy is not None and getattr(strategy, "world_size", 1) > 1:
+            values = strategy.all_reduce(values, "mean")
+        lost = torch.tensor(math.nan) if loss is None else loss.detach()
+        pending = Gradients(values, True, StepOutput(lost, {}, None, True, False), batch_size)
+        if self._before is not None:
+            view = owner._merge(state, sub, index, False).replace(progress=state.progress)
+            view = self._before(view, pending, index, owner.names[index])
+            sub = sub.replace(callbacks=view.callbacks, extra=view.extra)
+        sub, out = owner.steps[index].apply(sub, pending)
+        self.state = owner._merge(state, sub, index, out.stepped)
+        self.outputs.append(out)
+        self.called.append(index)
+        return out
+
 
 def _rebind(base: TrainStep, loss_fn: Callable[..., Any]) -> TrainStep:
     """A step like ``base`` (same model, optimizer, parameters) running ``loss_fn``."""

@@ -138,34 +138,7 @@ class Task:
         that are modules are left out (the checkpoint holds their weights: give them again to
         ``load_from_checkpoint`` as overrides). Every value must be plain data (numbers,
         strings, tensors, containers): anything else is a ``TypeError`` naming it."""
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore)
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            found = dict(args[0])
-        else:
-            if not all(isinstance(a, str) for a in args):
-                raise TypeError(
-                    "save_hyperparameters() takes argument names (str) or one dict, got "
-                    f"{[type(a).__name__ for a in args]}"
-                )
-            found = _init_arguments(self, inspect.currentframe())
-            if args:
-                unknown = [a for a in args if a not in found]
-                if unknown:
-                    raise ValueError(
-                        f"save_hyperparameters(): {unknown} are not arguments of "
-                        f"{type(self).__name__}.__init__ (it has {sorted(found)})"
-                    )
-                found = {a: found[a] for a in args}
-            found = {k: v for k, v in found.items() if not isinstance(v, nn.Module)}
-        found = {k: v for k, v in found.items() if k not in ignored}
-        for name, value in found.items():
-            try:
-                ck.check_plain(value, f"hyper-parameter {name!r}")
-            except ck.CheckpointError as err:
-                raise TypeError(
-                    f"save_hyperparameters(): {err}; leave it out with ignore=[{name!r}]"
-                ) from None
-        self.hparams = found
+        self.hparams = recorded_hyperparameters(self, inspect.currentframe(), args, ignore)
 
     @classmethod
     def load_from_checkpoint(
@@ -493,6 +466,41 @@ def restore_callback_data(
         new = hook(own, extras[key], context(state))
         state = state.replace(callbacks={**state.callbacks, key: new})
     return state
+
+
+def recorded_hyperparameters(
+    obj: Any, frame: Any, args: Sequence[Any], ignore: Sequence[str] | str | None
+) -> dict[str, Any]:
+    """What ``save_hyperparameters(*args, ignore=...)`` called in ``frame`` (the method's own)
+    records (Lightning's rules, see ``Task.save_hyperparameters``), checked to be plain."""
+    ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        found = dict(args[0])
+    else:
+        if not all(isinstance(a, str) for a in args):
+            raise TypeError(
+                "save_hyperparameters() takes argument names (str) or one dict, got "
+                f"{[type(a).__name__ for a in args]}"
+            )
+        found = _init_arguments(obj, frame)
+        if args:
+            unknown = [a for a in args if a not in found]
+            if unknown:
+                raise ValueError(
+                    f"save_hyperparameters(): {unknown} are not arguments of "
+                    f"{type(obj).__name__}.__init__ (it has {sorted(found)})"
+                )
+            found = {a: found[a] for a in args}
+        found = {k: v for k, v in found.items() if not isinstance(v, nn.Module)}
+    found = {k: v for k, v in found.items() if k not in ignored}
+    for name, value in found.items():
+        try:
+            ck.check_plain(value, f"hyper-parameter {name!r}")
+        except ck.CheckpointError as err:
+            raise TypeError(
+                f"save_hyperparameters(): {err}; leave it out with ignore=[{name!r}]"
+            ) from None
+    return found
 
 
 def _init_arguments(obj: Any, frame: Any) -> dict[str, Any]:

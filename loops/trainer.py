@@ -33,24 +33,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from purestep import hardware
 from purestep.engine.compile import compile_options
 from purestep.engine.state import TrainState
 
-from . import loop_state, schedule, trainer_eval, trainer_fit
+from . import loop_state, schedule
 from .callbacks import EarlyStopping, ModelCheckpoint, ProgressBar, ProgressBarBase
 from .config import FLAG_NAMES, LoopConfig
 from .driver import Driver
 from .events import Stage
-from .fit import FitLoop, grad_norm_type
-from .loggers import create_loggers
 from .profiling import Monitor, Profiler, resolve
-from .resume import Checkpointing
 from .task import DataModule, Task
 from .trainer_args import add_argparse_args, defaults_from_env, from_argparse_args
-from .trainer_data import TRAIN_MODES
 from .trainer_run import TrainerStatus, entry_point, local_log_dir
-from .tuning.flags import check_auto_flags
+
+# What runs need (the hardware strategies, the loggers, the loops, checkpoint I/O, the
+# tuner) is imported when a Trainer is built or run: the command line reads this class's
+# signature for ``--help`` without paying for them (and no ``TYPE_CHECKING`` imports
+# here: jsonargparse runs them to resolve the signature's annotations).
 
 __all__ = ["Trainer", "TrainerStatus"]
 
@@ -163,6 +162,14 @@ class Trainer:
         auto_lr_find: bool | str = False,
         auto_scale_batch_size: bool | str = False,
     ) -> None:
+        from purestep import hardware
+
+        from .fit import grad_norm_type
+        from .loggers import create_loggers
+        from .resume import Checkpointing
+        from .trainer_data import TRAIN_MODES
+        from .tuning.flags import check_auto_flags
+
         loop_flags = {
             "max_epochs": max_epochs,
             "min_epochs": min_epochs,
@@ -306,7 +313,7 @@ class Trainer:
         self.predictions: Any = None
         self._driver: Driver | None = None
         self._task: Task | None = None
-        self._loop: FitLoop | None = None
+        self._loop: Any = None  # the loops.fit.FitLoop of the current (or last) fit
         # Batches per dataloader of the latest evaluations, by kind (trainer_run.BatchCounts).
         self._num_batches: dict[str, list[int | float]] = {}
         # Whether the last fit failed inside an in-place update (it left no whole state).
@@ -314,6 +321,9 @@ class Trainer:
         # Effects a test (or an embedding application) may replace.
         self._clock: Callable[[], float] = time.monotonic
         self._printer: Callable[[str], None] | None = None
+        # Observers every run's driver gets besides the bar and the monitors (the command
+        # line's config writer: loops.command_line).
+        self._observers: list[Any] = []
 
     # ------------------------------------------------------------------ argparse
 
@@ -392,7 +402,23 @@ class Trainer:
     def estimated_stepping_batches(self) -> float:
         """Optimizer steps the configured fit will take (needs a fit in progress or done)."""
         if self._loop is None or self._loop.num_train is None:
-            raise RuntimeError("estimated_stepping_batches needs the training data: call fit()")
+            ahead = getattr(self, "_train_ahead", None)
+            if ahead is None:
+                raise RuntimeError("estimated_stepping_batches needs the training data: call fit()")
+            # fit is setting up (configure_optimizers): count the loader it will train on
+            from .data import length
+            from .trainer_data import train_data
+
+            data = train_data(
+                ahead.peek(),
+                0,
+                strategy=self.strategy,
+                mode=self.multiple_trainloader_mode,
+                config=self.config,
+            )
+            return schedule.estimated_stepping_batches(
+                self.config, schedule.train_batches(self.config, length(data))
+            )
         return schedule.estimated_stepping_batches(self.config, self._loop.num_train)
 
     @property
@@ -503,13 +529,14 @@ class Trainer:
 
     @property
     def best_model_path(self) -> str:
-        """The checkpoint callback's best path after fit ("" before any save), in the run
-        folder of ``log_dir`` (the same on every process)."""
+        """The checkpoint callback's best path after fit ("" before any save), absolute, in
+        the run folder of ``log_dir`` (the same on every process); what
+        ``checkpoint_callback.best_model_path`` shows after this trainer's run."""
         cb, state = self.checkpoint_callback, self._latest
         if cb is None or state is None:
             return ""
         name = state.callbacks.get(cb.key, {}).get("best_model_path", "")
-        return cb.full_path(name, self.log_dir) if cb.owns(name) else ""
+        return cb.shown_path(name, self.log_dir)
 
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Write the latest training state (or its weights) to ``path``, as callbacks do."""
@@ -547,9 +574,12 @@ class Trainer:
         checkpoint of this run that reads; starts fresh when there is none, so relaunching
         the same command after a preemption resumes it).
 
-        ``fit(task, train_dataloaders=..., val_dataloaders=...)``, ``fit(task,
-        datamodule=dm)``, ``fit(task)`` with the task's own ``train_dataloader()`` /
-        ``val_dataloader()``, or ``fit(model, loss_fn, optimizer, train, val)``. ``state``
+        ``fit(task, train_dataloaders, val_dataloaders)`` (positional or by keyword, as in
+        Lightning: with a Task the arguments after it are its data), ``fit(task, dm)`` or
+        ``fit(task, datamodule=dm)``, ``fit(task)`` with the task's own
+        ``train_dataloader()`` / ``val_dataloader()``, or ``fit(model, loss_fn, optimizer,
+        train, val)`` for a plain ``nn.Module`` (``loss_fn`` and ``optimizer`` only go with
+        one; a DataModule in place of the train dataloaders is the datamodule). ``state``
         continues from an existing state (e.g. a restored checkpoint); otherwise the state
         is built from the model with ``seed``: the run key behind every draw of the run
         (dropout, data order, workers, augmentations) and the key a model that
@@ -557,6 +587,8 @@ class Trainer:
         takes the seed ``seed_everything`` recorded, else 0. Validation runs when the task defines
         ``validation_step`` and there is validation data.
         """
+        from . import trainer_fit
+
         return trainer_fit.fit(
             self,
             model,
@@ -588,8 +620,12 @@ class Trainer:
 
         ``model`` is a ``TrainState`` (evaluated with the last fitted task), a ``Task``, or
         an ``nn.Module`` with ``fn``; ``state`` defaults to the last fitted state.
+        ``dataloaders`` may be a ``DataModule`` (``validate(task, dm)``, as in Lightning;
+        the same for ``test`` and ``predict``).
         ``ckpt_path``: evaluate the weights of a checkpoint ("best", "last" or a path).
         """
+        from . import trainer_eval
+
         return trainer_eval.evaluate(
             self, Stage.VALIDATE, model, dataloaders, datamodule, state, fn, verbose, ckpt_path
         )
@@ -607,6 +643,8 @@ class Trainer:
         ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Evaluate on test data; one dict of epoch-level metrics per dataloader."""
+        from . import trainer_eval
+
         return trainer_eval.evaluate(
             self, Stage.TEST, model, dataloaders, datamodule, state, fn, verbose, ckpt_path
         )
@@ -629,6 +667,8 @@ class Trainer:
         ``module(inputs)`` (the first element of tuple batches). ``None`` when
         ``return_predictions=False`` or after Ctrl-C.
         """
+        from . import trainer_eval
+
         return trainer_eval.predict(
             self, model, dataloaders, datamodule, state, fn, return_predictions, ckpt_path
         )

@@ -24,6 +24,7 @@ __all__ = [
     "check_fit_data",
     "data_for",
     "data_seed",
+    "eval_arguments",
     "eval_data",
     "fit_data",
     "loader_source",
@@ -154,6 +155,21 @@ def prepare_data(trainer: Any, task: Any, datamodule: DataModule | None) -> None
         raise failure
 
 
+def eval_arguments(
+    dataloaders: Any, datamodule: DataModule | None, name: str
+) -> tuple[Any, DataModule | None]:
+    """``(dataloaders, datamodule)`` of ``validate`` / ``test`` / ``predict`` (``name``) as
+    Lightning reads them: a ``DataModule`` passed as the dataloaders is the datamodule."""
+    if not isinstance(dataloaders, DataModule):
+        return dataloaders, datamodule
+    if datamodule is not None:
+        raise TypeError(
+            f"{name} got two DataModules, {type(dataloaders).__name__} in place of the "
+            f"dataloaders and {type(datamodule).__name__} as datamodule=; pass one"
+        )
+    return None, dataloaders
+
+
 def data_for(
     trainer: Any,
     task: Any,
@@ -173,6 +189,30 @@ def data_for(
         datamodule.setup(name)
     load = loader_source(dataloaders, datamodule, task, getter)
     return load if load is not None else lambda: None
+
+
+class AheadOfTime:
+    """A training-data source that may be asked early, once: ``configure_optimizers`` may
+    read ``trainer.estimated_stepping_batches`` (OneCycleLR's ``total_steps``) before the
+    loop starts, as in Lightning. ``peek()`` asks the source and keeps the answer; the
+    loop's first call takes that answer, later calls (reloads) ask the source again, so a
+    ``train_dataloader()`` hook runs as often as without the early look."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self.source = source
+        self._kept: list[Any] = []
+        self._used = False
+
+    def peek(self) -> Any:
+        if not self._kept:
+            self._kept.append(self.source())
+        return self._kept[0]
+
+    def __call__(self) -> Any:
+        if not self._used:
+            self._used = True
+            return self.peek()
+        return self.source()
 
 
 def check_fit_data(train: Any, val: Any, datamodule: DataModule | None, task: Any = None) -> bool:
@@ -200,11 +240,14 @@ def fit_data(
     mode: str,
     config: Any,
     task: Any = None,
+    train_source: Callable[[], Any] | None = None,
 ) -> tuple[Callable[[], Batches], Callable[[], list[Batches]]]:
     """fit's ``(train_loader, val_loaders)``: what the loop calls at the start and at each
     reload (``reload_dataloaders_every_n_epochs``), asking the owner (the datamodule, or
-    the Task's own hooks) again each time."""
-    train_source = loader_source(train, datamodule, task, "train_dataloader")
+    the Task's own hooks) again each time. ``train_source``: who supplies the training
+    data, when the caller already asked (``AheadOfTime``)."""
+    if train_source is None:
+        train_source = loader_source(train, datamodule, task, "train_dataloader")
     val_source = loader_source(val, datamodule, task, "val_dataloader")
 
     def train_loader() -> Batches:

@@ -14,12 +14,13 @@ from purestep import engine
 from purestep.engine import optim, user_errors
 from purestep.engine.state import TrainState
 
+from . import lightning
 from .evaluate import evaluate as run_evaluate
 from .events import Stage
 from .predict import predict as run_predict
 from .task import DataModule, Task, default_predict, restore_task_data
-from .trainer_data import data_for, data_seed, eval_data
-from .trainer_run import TrainerStatus, driver_for, printer, run_context
+from .trainer_data import data_for, data_seed, eval_arguments, eval_data
+from .trainer_run import TrainerStatus, check_hooks, driver_for, printer, run_context
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -37,7 +38,9 @@ def eval_target(
 ) -> tuple[Task, TrainState]:
     """The task and state an evaluation runs: ``model`` may be a ``TrainState`` (with the last
     fitted task), a ``Task``, an ``nn.Module`` (with ``fn``) or None (the last fitted task);
-    the state defaults to the last fitted one, else a fresh one of the task's model."""
+    the state defaults to the last fitted one, else a fresh one of the task's model. A
+    Lightning-style module runs as its ``LightningTask`` (the fitted one, if it was fitted)."""
+    model = lightning.adapt(model, trainer)
     if isinstance(model, TrainState):
         if state is not None:
             raise TypeError("pass the state once (positionally or as state=)")
@@ -119,7 +122,9 @@ def evaluate(
     """What ``Trainer.validate`` (``stage=Stage.VALIDATE``) and ``Trainer.test`` do."""
     name = "validate" if stage == Stage.VALIDATE else "test"
     method = "validation_step" if stage == Stage.VALIDATE else "test_step"
+    dataloaders, datamodule = eval_arguments(dataloaders, datamodule, name)
     task, state = eval_target(trainer, model, fn, state, method, ckpt_path)
+    check_hooks(task, trainer.callbacks)  # now, not when the event comes
     state = from_checkpoint(trainer, ckpt_path, state, name, task=task, datamodule=datamodule)
     if not task.has(method):
         raise NotImplementedError(f"{type(task).__name__} does not define {method}()")
@@ -162,11 +167,13 @@ def predict(
     ckpt_path: str | None,
 ) -> Any:
     """What ``Trainer.predict`` does (see there)."""
+    dataloaders, datamodule = eval_arguments(dataloaders, datamodule, "predict")
     if isinstance(model, nn.Module) and fn is None:
         is_fitted = trainer._task is not None and trainer._task.get_model() is model
         if not is_fitted:
             fn = default_predict
     task, state = eval_target(trainer, model, fn, state, "predict_step", ckpt_path)
+    check_hooks(task, trainer.callbacks)
     state = from_checkpoint(trainer, ckpt_path, state, "predict", task=task, datamodule=datamodule)
     load = data_for(trainer, task, "predict", dataloaders, datamodule, "predict_dataloader")
     task.setup("predict")

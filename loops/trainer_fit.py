@@ -7,24 +7,92 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from purestep import engine
 from purestep.engine import rng
+from purestep.engine.optim import GradientTransformation
 from purestep.engine.state import TrainState
 
-from . import schedule
+from . import lightning, schedule
 from .fit import FitLoop
 from .optimization import optimization
 from .seeding import resolve_seed
 from .task import DataModule, Task, restore_callback_data, restore_task_data
-from .trainer_data import check_fit_data, data_seed, fit_data, prepare_data
-from .trainer_run import TrainerStatus, driver_for, printer, run_context
+from .trainer_data import (
+    AheadOfTime,
+    check_fit_data,
+    data_seed,
+    fit_data,
+    loader_source,
+    prepare_data,
+)
+from .trainer_run import TrainerStatus, check_hooks, driver_for, printer, run_context
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["fit", "fit_optimizer", "fit_task", "seeded_model"]
+__all__ = ["fit", "fit_arguments", "fit_optimizer", "fit_task", "seeded_model"]
+
+_TASK_DATA = (
+    "the arguments after a Task are its data, as in Lightning: fit(task, train_dataloaders, "
+    "val_dataloaders) or fit(task, datamodule)"
+)
+
+
+def _step_piece(value: Any) -> str | None:
+    """What ``value`` is when it is a loss function or an optimizer rather than data:
+    ``"an optimizer"``, ``"a loss function"``, else None."""
+    if value is None or isinstance(value, DataModule):
+        return None
+    if isinstance(value, (GradientTransformation, torch.optim.Optimizer)) or (
+        hasattr(value, "init") and hasattr(value, "update")
+    ):
+        return "an optimizer"
+    if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        return "an optimizer"
+    if callable(value) and not isinstance(value, nn.Module):
+        return "a loss function"
+    return None
+
+
+def fit_arguments(
+    model: Any, loss_fn: Any, optimizer: Any, train: Any, val: Any, datamodule: Any
+) -> tuple[Any, Any, Any, Any, Any]:
+    """``fit``'s arguments as Lightning reads them: ``(loss_fn, optimizer, train, val,
+    datamodule)``. With a ``Task`` the second and third positional arguments are the train
+    and validation dataloaders; a ``DataModule`` in place of the train dataloaders is the
+    datamodule (Lightning's ``isinstance(train_dataloaders, LightningDataModule)``). A plain
+    ``nn.Module`` keeps ``fit(module, loss_fn, optimizer, train, val)``."""
+    if isinstance(model, Task) and (loss_fn is not None or optimizer is not None):
+        for given in (loss_fn, optimizer):
+            kind = _step_piece(given)
+            if kind is not None:
+                raise TypeError(
+                    f"fit({type(model).__name__}, ...) got {kind} ({given!r:.60}): a Task "
+                    "brings its own steps and optimizer (training_step, configure_optimizers()); "
+                    + _TASK_DATA
+                )
+        if train is not None or val is not None:
+            raise TypeError(
+                "fit(task, ...) got dataloaders both positionally and as "
+                "train_dataloaders=/val_dataloaders=; " + _TASK_DATA
+            )
+        loss_fn, optimizer, train, val = None, None, loss_fn, optimizer
+    if isinstance(train, DataModule):
+        if datamodule is not None:
+            raise TypeError(
+                f"fit got two DataModules, {type(train).__name__} in place of the train "
+                f"dataloaders and {type(datamodule).__name__} as datamodule=; pass one"
+            )
+        if val is not None:
+            raise TypeError(
+                f"fit got a DataModule ({type(train).__name__}) and val_dataloaders: the "
+                "DataModule brings its own val_dataloader(); pass either one"
+            )
+        train, datamodule = None, train
+    return loss_fn, optimizer, train, val, datamodule
 
 
 def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
@@ -32,11 +100,18 @@ def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
     if isinstance(model, Task):
         if loss_fn is not None or optimizer is not None:
             raise TypeError(
-                "a Task brings its own steps and optimizer; pass data by keyword "
-                "(train_dataloaders=..., val_dataloaders=...)"
+                "a Task brings its own steps and optimizer (training_step, "
+                "configure_optimizers()): pass no loss_fn or optimizer; " + _TASK_DATA
             )
         return model
     if isinstance(model, nn.Module):
+        if isinstance(loss_fn, DataModule) or isinstance(optimizer, DataModule):
+            raise TypeError(
+                "fit(model, loss_fn, optimizer, ...): a plain nn.Module needs a loss function "
+                "and an optimizer before its data; pass the DataModule after them or as "
+                "datamodule=: fit(model, loss_fn, optimizer, datamodule=dm) (or wrap the "
+                "pieces in a Task: fit(task, dm))"
+            )
         if loss_fn is None or optimizer is None:
             raise TypeError(
                 "fit(model, loss_fn, optimizer, train, val): a plain nn.Module needs a "
@@ -78,7 +153,12 @@ def fit(
 ) -> TrainState:
     """What ``Trainer.fit`` does (see there)."""
     seed = resolve_seed(seed)
+    model = lightning.adapt(model, trainer)  # a Lightning-style module runs as a LightningTask
+    loss_fn, optimizer, train_dataloaders, val_dataloaders, datamodule = fit_arguments(
+        model, loss_fn, optimizer, train_dataloaders, val_dataloaders, datamodule
+    )
     task = fit_task(model, loss_fn, optimizer)
+    check_hooks(task, trainer.callbacks)  # now, not when the event comes
     has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule, task)
     trainer._task = task
     trainer._loop = None
@@ -88,6 +168,10 @@ def fit(
     task.setup("fit")
     strategy = trainer.strategy
     net = strategy.convert_model(seeded_model(task, seed))
+    train_source = AheadOfTime(
+        loader_source(train_dataloaders, datamodule, task, "train_dataloader")
+    )
+    trainer._train_ahead = train_source  # estimated_stepping_batches in configure_optimizers
     plan = optimization(task, net, trainer.config)
     if trainer.compile is not None and plan.multi:
         raise ValueError(
@@ -122,6 +206,7 @@ def fit(
         mode=trainer.multiple_trainloader_mode,
         config=config,
         task=task,
+        train_source=train_source,
     )
     validates = task.has("validation_step") and has_val_data
     step = plan.train_step(
@@ -190,6 +275,10 @@ def fit(
             trainer.train_state = None
         else:
             trainer.train_state = loop.state if loop.state is not None else state
+    if isinstance(task, lightning.LightningTask):
+        if trainer.train_state is not None:  # Lightning's module holds the trained weights
+            task.finish_fit(trainer.train_state)
+        task.detach()
     if trainer.status == TrainerStatus.FINISHED:
         task.teardown("fit")
         if datamodule is not None:

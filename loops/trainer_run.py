@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .callbacks import ModelSummary, Timer
+from purestep.engine import user_errors
+
+from .callbacks import Callback, LambdaCallback, ModelCheckpoint, ModelSummary, Timer
 from .driver import Driver
 from .driver import print_message as _say
-from .events import Stage
+from .events import EVENTS, Stage, handles
 from .task import Task, task_callback
 
 if TYPE_CHECKING:
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TrainerStatus",
+    "bind_views",
+    "check_hooks",
     "driver_for",
     "entry_point",
     "local_log_dir",
@@ -86,6 +91,10 @@ def run_callbacks(
     callbacks last; the task's handlers run after every callback (as a LightningModule's
     hooks do; the monitoring ones still run after it at epoch and validation end)."""
     cbs = list(trainer.callbacks)
+    configured = task.configured_callbacks() if hasattr(task, "configured_callbacks") else []
+    if configured:  # Lightning's configure_callbacks: they replace the trainer's of their type
+        kinds = {type(cb) for cb in configured}
+        cbs = [cb for cb in cbs if type(cb) not in kinds] + configured
     if trainer.config.max_time is not None:
         if any(isinstance(cb, Timer) for cb in cbs):
             driver_messages.append(
@@ -104,6 +113,78 @@ def run_callbacks(
     if task is not None:
         cbs.append(task_callback(task))
     return cbs
+
+
+# ---------------------------------------------------------------------- hook signatures
+
+_HANDLER = "its own state and a read-only loops.events.Context; it returns (state, Requests)"
+#: Callback methods the loops call, beside the events: name -> (arguments, what they are).
+_CALLBACK_HOOKS = {
+    **{event: (("state", "ctx"), _HANDLER) for event in EVENTS},
+    "init": ((), "no arguments; it returns the callback's initial state"),
+    "on_save_checkpoint": (
+        ("state", "ctx"),
+        "its own state and a Context; it returns plain data for the file (or None)",
+    ),
+    "on_load_checkpoint": (
+        ("state", "data", "ctx"),
+        "its own state, what on_save_checkpoint returned and a Context; it returns the "
+        "callback's new state",
+    ),
+}
+_TASK_HANDLER = (
+    "the task's own state (from init_state(), else {}) and a read-only loops.events.Context; "
+    "it returns (state, Requests) (a pure function, where a LightningModule's hook changes "
+    "the module)"
+)
+#: Task methods the loops call later in a run: name -> (arguments, what they are).
+_TASK_HOOKS = {
+    **{e: (("state", "ctx"), _TASK_HANDLER) for e in EVENTS if e not in ("setup", "teardown")},
+    "setup": (("stage",), 'the stage ("fit", "validate", "test" or "predict")'),
+    "teardown": (("stage",), 'the stage ("fit", "validate", "test" or "predict")'),
+    "init_state": ((), "no arguments; it returns the state its hooks start from"),
+    "on_save_checkpoint": ((), "no arguments; it returns plain data for the file (or None)"),
+    "on_load_checkpoint": (("data",), "what on_save_checkpoint returned"),
+}
+
+
+def _expected(name: str, args: tuple[str, ...]) -> str:
+    return f"{name}({', '.join(('self', *args))})"
+
+
+def check_hooks(task: Task | None, callbacks: list[Any]) -> None:
+    """Refuse, when a run starts, a Task hook or a callback handler that cannot take the
+    arguments the loops will pass it (``user_errors.check_call``): the error names the
+    class, the hook, the signature found and the one expected, where the call itself would
+    fail only when the event comes (after an epoch, say)."""
+    if task is not None:
+        for name, (args, explain) in _TASK_HOOKS.items():
+            hook = getattr(task, name, None)
+            if callable(hook):
+                label = f"{type(task).__qualname__}.{name}"
+                user_errors.check_call(hook, args, label, _expected(name, args), explain)
+    for cb in callbacks:
+        _check_callback(cb)
+
+
+def _check_callback(cb: Any) -> None:
+    """One callback's handlers (those it overrides) and, for a ``LambdaCallback``, its
+    functions (``fn(ctx)``)."""
+    cls = type(cb).__qualname__
+    if isinstance(cb, LambdaCallback):
+        for event, fn in cb.handlers.items():
+            label = f"LambdaCallback({event}={user_errors.describe_function(fn)})"
+            explain = "the read-only loops.events.Context; it returns Requests or None"
+            user_errors.check_call(fn, ("ctx",), label, f"{event}(ctx)", explain)
+        return
+    for name, (args, explain) in _CALLBACK_HOOKS.items():
+        if name in EVENTS:
+            overridden = handles(cb, name)
+        else:
+            overridden = getattr(type(cb), name, None) is not getattr(Callback, name, None)
+        hook = getattr(cb, name, None) if overridden else None
+        if callable(hook):
+            user_errors.check_call(hook, args, f"{cls}.{name}", _expected(name, args), explain)
 
 
 def local_log_dir(trainer: Trainer) -> str:
@@ -178,7 +259,12 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
         fn=fn,
         callbacks=run_callbacks(trainer, task, fn, messages),
         loggers=trainer.loggers,
-        observers=[*([bar] if bar is not None else []), BatchCounts(counts), *trainer.monitors],
+        observers=[
+            *([bar] if bar is not None else []),
+            BatchCounts(counts),
+            *trainer.monitors,
+            *getattr(trainer, "_observers", ()),
+        ],
         config=trainer.config,
         strategy=trainer.strategy,
         log_dir=shared_log_dir(trainer),
@@ -196,7 +282,29 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
     for message in messages:
         driver.say(message)
     trainer._driver = driver
+    bind_views(trainer)
     return driver
+
+
+def bind_views(trainer: Trainer) -> None:
+    """Point the bookkeeping attributes of the trainer's ``ModelCheckpoint`` callbacks
+    (``best_model_path`` ...) at this trainer's latest state and run folder: a run shows
+    them from its start, and after it until the callback runs with another trainer. The
+    trainer is held weakly, and nothing in a run reads these views."""
+    ref = weakref.ref(trainer)
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            cb.bind_view(functools.partial(_bookkeeping, ref, cb.key))
+
+
+def _bookkeeping(ref: weakref.ref[Trainer], key: str) -> tuple[Any, str | None]:
+    """``(the callback state under key, the run folder)`` of the trainer ``ref`` names, as
+    it is now (``(None, None)`` without a state)."""
+    trainer = ref()
+    state = trainer._latest if trainer is not None else None
+    if state is None:
+        return None, None
+    return state.callbacks.get(key), trainer.log_dir
 
 
 @contextlib.contextmanager

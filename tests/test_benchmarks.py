@@ -25,6 +25,7 @@ EXPECTED = {
         "immutable_ratio",
         "profiler_ratio",
         "compiled_ratio",
+        "lightning_ratio",
     },
     "resume_cost.py": {"ratio", "data_ratio"},
     "checkpoint_io.py": {"save_ratio", "load_ratio"},

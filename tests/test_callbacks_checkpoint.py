@@ -24,7 +24,9 @@ class Run:
         self.val_batches = val_batches
         self.saved, self.removed, self.linked = [], [], []
 
-    def fire(self, event, *, epoch=0, step=0, metrics=None, stage="train", fn="fit"):
+    def fire(
+        self, event, *, epoch=0, step=0, metrics=None, stage="train", fn="fit", num_batches=None
+    ):
         progress = self.state.progress.replace(epoch=epoch, step=step)
         self.state = self.state.replace(progress=progress)
         ctx = Context(
@@ -36,6 +38,7 @@ class Run:
             log_dir="/runs/v0",
             exists=self.files.__contains__,
             extra={"num_val_batches": self.val_batches},
+            num_batches=num_batches,
         )
         self.state, req = dispatch(event, [self.cb], self.state, ctx)
         for path in (*req.save, *req.save_weights):
@@ -352,3 +355,56 @@ def test_a_crafted_kth_entry_is_recomputed_from_the_kept_ones():
     state = run.cb_state
     assert state["kth_best_model_path"] == state["best_model_path"] == "epoch=0-step=1.ckpt"
     assert state["kth_value"] == state["best_model_score"] == 2.0
+
+
+def test_a_missing_monitor_is_an_error_once_a_validation_has_run():
+    """Lightning's rule: before any validation a missing monitor is said once per fit;
+    after a validation that ran batches (not the sanity check) it is an error listing the
+    available metrics."""
+    run = Run(ModelCheckpoint(monitor="val_accuracy"))
+    run.fire("on_fit_start")
+    first = run.fire("on_train_epoch_end", step=1, metrics={"train_loss": 1.0})
+    again = run.fire("on_train_epoch_end", step=2, epoch=1, metrics={"train_loss": 1.0})
+    assert len(first.messages) == 1 and not again.messages and run.saved == []
+    val = {"metrics": {"val_loss": 1.0}, "num_batches": [2]}
+    run.fire("on_validation_end", step=2, stage="sanity_check", **val)
+    run.fire("on_validation_end", step=3, stage="validate", metrics=val["metrics"], num_batches=[0])
+    run.fire("on_train_epoch_end", step=3, epoch=2, metrics={"val_loss": 1.0})  # no error yet
+    run.fire("on_validation_end", step=4, stage="validate", **val)
+    with pytest.raises(RuntimeError, match=r"val_accuracy.*\['epoch', 'step', 'val_loss'\]"):
+        run.fire("on_train_epoch_end", step=4, epoch=3, metrics={"val_loss": 1.0})
+
+
+def test_epoch_and_step_are_monitor_candidates():
+    run = Run(ModelCheckpoint(monitor="step", mode="max", save_top_k=2))
+    run.fire("on_fit_start")
+    for step in (1, 2, 3):
+        run.fire("on_train_epoch_end", step=step, epoch=step - 1)
+    assert sorted(run.cb_state["best_k_models"].values()) == [2.0, 3.0]
+
+
+def test_the_bookkeeping_attributes_read_the_bound_view_only():
+    cb = ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)
+    assert (cb.best_model_path, cb.best_model_score, cb.best_k_models) == ("", None, {})
+    assert (cb.last_model_path, cb.kth_best_model_path, cb.current_score) == ("", "", None)
+    assert cb.kth_value == torch.tensor(math.inf)
+    run = Run(cb)
+    run.fire("on_fit_start")
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+        run.fire("on_train_epoch_end", step=step, epoch=step - 1, metrics={"val_loss": loss})
+    assert cb.best_model_path == ""  # nothing bound: the run's state is not read
+    cb.bind_view(lambda: (run.cb_state, "/runs/v0"))
+    folder = "/runs/v0/checkpoints/"
+    assert cb.best_model_path == folder + "epoch=1-step=2.ckpt"
+    assert cb.best_model_score == torch.tensor(1.0) and isinstance(
+        cb.best_model_score, torch.Tensor
+    )
+    assert cb.best_k_models == {
+        folder + "epoch=1-step=2.ckpt": torch.tensor(1.0),
+        folder + "epoch=2-step=3.ckpt": torch.tensor(2.0),
+    }
+    assert cb.kth_best_model_path == folder + "epoch=2-step=3.ckpt"
+    assert cb.kth_value == torch.tensor(2.0) and cb.current_score == torch.tensor(2.0)
+    assert cb.last_model_path == folder + "last.ckpt"
+    with pytest.raises(AttributeError):
+        cb.best_model_path = "/elsewhere.ckpt"  # a view, never an input

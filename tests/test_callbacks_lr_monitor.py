@@ -254,3 +254,39 @@ def _at(state, step):
 def test_bad_logging_interval():
     with pytest.raises(ValueError, match="logging_interval='batch'"):
         LearningRateMonitor(logging_interval="batch")
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        inject(optim.sgd)(lr=0.1, momentum=0.9),
+        optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9),
+        torch.optim.SGD,  # torch's default lr, 1e-3
+    ],
+)
+def test_the_logged_rate_is_the_optimizers_float_not_its_float32_rounding(opt, tmp_path):
+    """Lightning logs ``param_group["lr"]``, a Python float: 0.1 is 0.1 in every logger, not
+    0.10000000149011612 (its float32 rounding)."""
+    from purestep.loops import Trainer
+    from purestep.loops.loggers import CSVLogger, MemoryLogger
+
+    want = 1e-3 if opt is torch.optim.SGD else 0.1
+    memory = MemoryLogger()
+    trainer = Trainer(
+        max_epochs=1,
+        logger=[memory, CSVLogger(str(tmp_path))],
+        callbacks=[LearningRateMonitor()],
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = (torch.randn(8, 4), torch.randn(8, 2))
+    trainer.fit(_net(), lambda apply, b: F.mse_loss(apply(b[0]), b[1]), opt, data)
+    logged = [m["lr-SGD"] for _, m in memory.metrics if "lr-SGD" in m]
+    assert logged and all(type(v) is float and v == want for v in logged)
+    assert want != float(torch.tensor(want))  # what the float32 detour would have logged
+    (csv_file,) = tmp_path.rglob("metrics.csv")
+    rows = csv_file.read_text().splitlines()
+    column = rows[0].split(",").index("lr-SGD")
+    assert {float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]} == {want}

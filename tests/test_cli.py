@@ -459,3 +459,80 @@ def test_the_readme_example_runs(tmp_path):
     assert len(saved) == 3  # the two fits and the test, each in its own run folder
     first = yaml.safe_load(_read(saved[0]))
     assert first["trainer"]["max_epochs"] == 5 and first["model"]["lr"] == 0.05
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "reason"),
+    [
+        ("max_epochs", "-5", "expected None, -1 (no limit) or an int >= 0"),
+        ("precision", "7", "unknown precision"),
+        ("gradient_clip_algorithm", "sideways", "gradient_clip_algorithm"),
+    ],
+)
+def test_a_trainer_flag_value_it_refuses_is_a_parser_error(tmp_path, capsys, flag, value, reason):
+    args = ["fit", f"--trainer.{flag}", value, "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        cli(Regression, Data, args=args)
+    assert exit_info.value.code == 2  # argparse's usage error, no traceback
+    err = capsys.readouterr().err
+    assert f"error: --trainer.{flag}=" in err and reason in err, err
+    assert "Traceback" not in err and not list(tmp_path.rglob("config.yaml"))
+
+
+def test_without_a_model_class_the_error_says_how_to_name_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(args=["fit"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model.class_path" in err and "--config" in err, err
+
+
+class _FailingSetup(Data):
+    def setup(self, stage):
+        raise RuntimeError("no data here")
+
+
+class _FailingStep(Regression):
+    def training_step(self, apply, batch):
+        raise RuntimeError("the first step fails")
+
+
+def test_the_config_is_written_when_the_run_starts_not_before(tmp_path):
+    """Lightning's SaveConfigCallback writes the config in its ``setup`` hook: a run refused
+    before it starts (here: the data module's setup fails) leaves no config.yaml; one that
+    started and then failed (its first step) keeps the record of what ran."""
+    common = ["--trainer.default_root_dir", str(tmp_path), "--trainer.max_epochs", "1", *QUIET]
+    with pytest.raises(RuntimeError, match="no data here"):
+        cli(Regression, _FailingSetup, args=["fit", *common])
+    assert not list(tmp_path.rglob("config.yaml"))
+    with pytest.raises(RuntimeError, match="the first step fails"):
+        cli(_FailingStep, Data, args=["fit", *common])
+    (saved,) = tmp_path.rglob("config.yaml")
+    assert yaml.safe_load(saved.read_text())["trainer"]["max_epochs"] == 1
+
+
+def test_importing_the_command_line_leaves_the_heavy_modules_unloaded(tmp_path):
+    """``python -m purestep fit --help`` pays for the parser, not for the loggers' libraries,
+    the hardware strategies, the loops or the tuner (they load when a run needs them)."""
+    heavy = [
+        "jsonargparse",
+        "tensorboardX",
+        "mlflow",
+        "wandb",
+        "rich",
+        "purestep.hardware",
+        "purestep.loops.loggers",
+        "purestep.loops.fit",
+        "purestep.loops.trainer_fit",
+        "purestep.loops.tuning",
+        "purestep.loops.resume",
+    ]
+    probe = (
+        "import sys\n"
+        "import purestep.loops.command_line\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -452,6 +452,29 @@ def test_the_seeding_block_repeats_its_run_in_one_process():
     assert torch.equal(first["data"].tensors[0], again["data"].tensors[0])
 
 
+LIGHTNING_STYLE = "import torch, torch.nn.functional as F"
+TASK_FORM = "class TaskClassifier(purestep.Task):"
+
+
+@runs(LIGHTNING_STYLE, TASK_FORM)
+def test_the_lightning_style_block_trains_and_leaves_the_weights_in_the_module(capsys):
+    ns: dict = {}
+    _run(LIGHTNING_STYLE, ns)
+    _run(TASK_FORM, ns)
+    assert "val_acc" in ns["task_trainer"].callback_metrics
+    assert ns["task_state"].progress.epoch == 4
+    model, trainer = ns["model"], ns["trainer"]
+    assert {"train_loss_step", "train_loss_epoch", "val_acc"} <= set(trainer.callback_metrics)
+    assert trainer.callback_metrics["val_acc"] > 0.5  # 3 classes: chance is about 0.4
+    state = trainer.train_state
+    for name, tensor in model.named_parameters():
+        assert torch.equal(tensor, state.params[name]), name
+    from purestep.engine.optim import injected_values
+
+    # StepLR(step_size=2, gamma=0.1) over 4 epochs: the last epoch ran at 1e-2 * 0.1
+    assert injected_values(state.opt_state, "lr") == [1e-2 * 0.1]
+
+
 def test_every_readme_python_block_is_run_by_a_test():
     blocks = _python_blocks()
     assert blocks, "no ```python blocks found in README.md"

@@ -328,3 +328,47 @@ def test_preemption_writes_into_this_runs_folder(tmp_path):
     assert info.value.code == 75
     assert info.value.path.endswith("lightning_logs/version_11/checkpoints/last.ckpt")
     assert checkpoint.load(info.value.path)[0].progress.step == 2
+
+
+def test_a_missing_monitor_fails_at_the_first_validation_listing_the_metrics(tmp_path):
+    cb = ModelCheckpoint(monitor="val_accuracy")
+    trainer = _trainer(str(tmp_path), callbacks=[cb], max_epochs=3)
+    with pytest.raises(RuntimeError, match=r"val_accuracy.*'val_loss'") as err:
+        _fit(trainer)
+    assert trainer.current_epoch == 0  # at the end of the first epoch, not after the run
+    assert "'train_loss'" in str(err.value) and not list(tmp_path.rglob("*.ckpt"))
+    # without validation data it cannot appear later either, but Lightning only warns: once
+    messages = []
+    quiet = _trainer(str(tmp_path / "b"), callbacks=[ModelCheckpoint(monitor="val_accuracy")])
+    quiet._printer = messages.append
+    quiet.fit(mlp(), _loss, optim.adam(1e-2), DataLoader(_data(), batch_size=8))
+    assert sum("val_accuracy" in m for m in messages) == 1
+    assert not list((tmp_path / "b").rglob("*.ckpt"))
+
+
+def test_the_callbacks_bookkeeping_attributes_after_fit_and_after_a_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative root: the attributes are absolute paths
+    cb = ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)
+    assert cb.best_model_path == "" and cb.best_model_score is None
+    trainer = _trainer("runs", callbacks=[cb], max_epochs=3)
+    state = _fit(trainer)
+    folder = tmp_path / "runs" / "lightning_logs" / "version_0" / "checkpoints"
+    kept = state.callbacks[cb.key]
+    assert set(cb.best_k_models) == {str(folder / n) for n in kept["best_k_models"]}
+    assert all(os.path.isfile(p) for p in cb.best_k_models)
+    assert cb.best_model_path == trainer.best_model_path == str(folder / kept["best_model_path"])
+    assert cb.best_model_score == torch.tensor(kept["best_model_score"])
+    assert cb.best_model_score == min(cb.best_k_models.values())
+    assert cb.kth_best_model_path == str(folder / kept["kth_best_model_path"])
+    assert cb.kth_value == max(cb.best_k_models.values())
+    assert cb.last_model_path == str(folder / "last.ckpt") and os.path.isfile(cb.last_model_path)
+    assert cb.current_score is not None
+    # a resumed run (a new trainer, a new callback) shows the restored and updated bookkeeping
+    again = ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)
+    longer = _trainer("runs", callbacks=[again], max_epochs=4)
+    resumed = _fit(longer, ckpt_path=cb.last_model_path)
+    bookkeeping = resumed.callbacks[again.key]
+    assert again.best_model_path == str(folder / bookkeeping["best_model_path"])
+    assert set(again.best_k_models) == {str(folder / n) for n in bookkeeping["best_k_models"]}
+    assert again.best_model_score == torch.tensor(bookkeeping["best_model_score"])
+    assert again.last_model_path == cb.last_model_path

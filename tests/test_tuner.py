@@ -5,6 +5,8 @@ Trainer's auto_* flags and tune()."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import math
 import os
@@ -517,3 +519,81 @@ def test_update_attr_without_a_suggestion_leaves_the_attribute():
     finder = Tuner(tr).lr_find(task, DataLoader(data(8), batch_size=4), num_training=5)
     assert finder.suggestion() is None and task.lr == 0.1  # 5 points, 10 skipped
     assert "Failed to compute a learning-rate suggestion" in messages[-1]
+
+
+def _lightning_curve(model, optimizer, loader, root, **kwargs):
+    """Lightning's own lr_find on a LightningModule around ``model`` (a copy)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.tuner import Tuner as LightningTuner
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = copy.deepcopy(model)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return optimizer(self.parameters())
+
+    quiet = {
+        "enable_checkpointing": False,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    tuner = LightningTuner(pl.Trainer(default_root_dir=str(root), **quiet))
+    return tuner.lr_find(Module(), train_dataloaders=loader, update_attr=False, **kwargs)
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize(
+    ("torch_optimizer", "ours"),
+    [
+        (  # a torch optimizer class: from_torch, whose lr is injected
+            functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+            functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+        ),
+        (  # the project's Adam, injected (torch's arithmetic)
+            functools.partial(torch.optim.Adam, lr=1e-3),
+            optim.inject_hyperparams(optim.adam)(lr=1e-3),
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", ["exponential", "linear"])
+def test_lr_find_curve_is_lightnings_bitwise(torch_optimizer, ours, mode, tmp_path):
+    """The same model, initial weights, data order and optimizer under Lightning's
+    ``Tuner.lr_find`` and ours: the sweep sets the learning rate itself (the optimizer's
+    injected lr) at each step, as Lightning's scheduler sets ``param_group["lr"]``, so the
+    (lr, loss) curves are equal, not only close."""
+    loader = DataLoader(data(128), batch_size=4)  # in order: 32 batches
+    model = net()
+    # from 1e-4: enough steps move the weights for a rounding difference to show in the losses
+    kwargs = {"num_training": 20, "early_stop_threshold": None, "mode": mode, "min_lr": 1e-4}
+    want = _lightning_curve(model, torch_optimizer, loader, tmp_path, **kwargs)
+
+    class Same(Task):
+        def configure_optimizers(self):
+            return ours
+
+        def training_step(self, apply, batch):
+            x, y = batch
+            return F.cross_entropy(apply(x), y)
+
+    got = Tuner(trainer()).lr_find(Same(copy.deepcopy(model)), loader, update_attr=False, **kwargs)
+    assert len(got.results["lr"]) == 20
+    assert got.results["lr"] == want.results["lr"]
+    assert got.results["loss"] == want.results["loss"]
+
+
+def test_lr_find_refuses_an_injected_lr_schedule_that_overrides_the_sweep():
+    class Scheduled(LRTask):
+        def configure_optimizers(self):
+            return optim.inject_hyperparams(optim.sgd)(lr=lambda count: 0.1)
+
+    with pytest.raises(ValueError, match="is a schedule"):
+        Tuner(trainer()).lr_find(
+            Scheduled(), DataLoader(data(), batch_size=4), num_training=5, update_attr=False
+        )

@@ -384,3 +384,27 @@ def test_an_evaluation_fn_with_a_lightning_signature_is_named_as_such():
             net(), [dict_batch()], fn=my_predict
         )
     assert "loss_fn" not in str(info.value)
+
+
+def test_check_call_names_the_hook_its_signature_and_the_expected_one():
+    class Hooks:
+        def right(self, state, ctx):
+            pass
+
+        def wrong(self, state):
+            pass
+
+        def lightning(self, trainer, pl_module):
+            pass
+
+    hooks = Hooks()
+    user_errors.check_call(hooks.right, ("state", "ctx"), "Hooks.right", "right(...)", "")
+    user_errors.check_call(print, ("state", "ctx"), "print", "print(...)", "")  # no signature
+    user_errors.check_call(functools.partial(hooks.wrong), ("s",), "p", "p(s)", "")
+    with pytest.raises(TypeError, match=r"^Hooks\.wrong\(self, state\) does not take .*"):
+        user_errors.check_call(hooks.wrong, ("a", "b"), "Hooks.wrong", "wrong(self, a, b)", "x")
+    with pytest.raises(
+        TypeError,
+        match=r"\(self, trainer, pl_module\) has a PyTorch Lightning.*lightning\(s, c\): why",
+    ):
+        user_errors.check_call(hooks.lightning, ("s", "c"), "H.lightning", "lightning(s, c)", "why")

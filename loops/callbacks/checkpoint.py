@@ -22,6 +22,19 @@ never before the first optimizer step, never during the sanity check or ``fast_d
 Names come from ``filename`` (default ``"{epoch}-{step}"``, ``auto_insert_metric_name``
 turning ``{epoch}`` into ``epoch=3``), with ``-v1``, ``-v2``... when a file exists.
 The time-based trigger reads the driver's clock and keeps its last check outside the state.
+
+A ``monitor`` is looked up among the logged metrics plus ``epoch`` and ``step`` (Lightning's
+monitor candidates). When it is missing at a save, Lightning's rule applies: once a
+validation of this fit has run (not the sanity check; with at least one batch) the metric
+cannot appear any more, so the save is a ``RuntimeError`` listing the available metrics;
+before that (no validation data, or a save at train-batch end before the first validation)
+it is one message per fit and nothing is saved.
+
+After ``fit`` (or ``validate`` ...) the bookkeeping is readable on the callback object, as
+Lightning's attributes: ``best_model_path``, ``best_model_score``, ``best_k_models``,
+``kth_best_model_path``, ``kth_value``, ``last_model_path`` and ``current_score``. They are
+views of the latest state of the Trainer that last ran with this callback (absolute paths,
+scores as tensors), never an input to a run: the run reads its state only.
 """
 
 from __future__ import annotations
@@ -29,14 +42,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .. import schedule
 from ..config import default_config
-from ..events import NOTHING, Context, Requests
+from ..events import NOTHING, Context, Requests, Stage
 from .base import Callback
 
 __all__ = ["ModelCheckpoint"]
@@ -53,6 +66,17 @@ def _float(value: Any) -> float:
 
 def _join(folder: str, name: str) -> str:
     return f"{folder.rstrip('/')}/{name}"
+
+
+def _absolute(path: str) -> str:
+    """``path`` made absolute when it is local (URLs are returned as they are)."""
+    if not path or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+#: Where a callback's bookkeeping views read from: () -> (its state, the run folder).
+View = Callable[[], "tuple[Mapping[str, Any] | None, str | None]"]
 
 
 def _same_path(a: str, b: str | None) -> bool:
@@ -146,6 +170,10 @@ class ModelCheckpoint(Callback):
         self.enable_version_counter = enable_version_counter
         self.name = name
         self._last_time_checked: float | None = None
+        # whether this fit was told about a missing monitor (one message per fit)
+        self._told_missing = False
+        # the latest bookkeeping of the Trainer that ran with this callback (bind_view)
+        self._view: View | None = None
         self._own_name = re.compile(
             "(?:{}|{})(?:-v\\d+)?{}".format(
                 _template_regex(filename or "{epoch}-{step}", auto_insert_metric_name),
@@ -169,7 +197,73 @@ class ModelCheckpoint(Callback):
             "last_global_step_saved": 0,
             "last_checkpoint_saved": "",
             "deferred": False,
+            # whether the latest validation of this fit ran (Lightning's val loop _has_run)
+            "validated": False,
         }
+
+    # ------------------------------------------------------------------ views after a run
+
+    def bind_view(self, view: View | None) -> None:
+        """Read the bookkeeping attributes from ``view()``: the latest state of this
+        callback and the run folder (the Trainer binds itself when a run starts). A view
+        only: nothing a run does reads it."""
+        self._view = view
+
+    def _latest(self) -> tuple[dict[str, Any], str | None]:
+        found, log_dir = self._view() if self._view is not None else (None, None)
+        if not isinstance(found, Mapping):
+            return self.init(), log_dir
+        return {**self.init(), **found}, log_dir
+
+    def shown_path(self, name: Any, log_dir: str | None) -> str:
+        """The absolute path a bookkeeping entry ``name`` shows ("" for one that is not
+        this callback's name)."""
+        return _absolute(self.full_path(name, log_dir)) if self.owns(name) else ""
+
+    @property
+    def best_model_path(self) -> str:
+        """The absolute path of the best checkpoint so far ("" before any save)."""
+        state, log_dir = self._latest()
+        return self.shown_path(state["best_model_path"], log_dir)
+
+    @property
+    def best_model_score(self) -> torch.Tensor | None:
+        """The monitored score of ``best_model_path`` (None without a monitor or a save)."""
+        score = self._latest()[0]["best_model_score"]
+        return None if score is None else torch.tensor(score)
+
+    @property
+    def best_k_models(self) -> dict[str, torch.Tensor]:
+        """Absolute path -> score of every checkpoint kept among the top ``save_top_k``."""
+        state, log_dir = self._latest()
+        return {
+            self.shown_path(name, log_dir): torch.tensor(score)
+            for name, score in state["best_k_models"].items()
+            if self.owns(name)
+        }
+
+    @property
+    def kth_best_model_path(self) -> str:
+        """The absolute path of the worst of the kept top-k checkpoints ("" until k saved)."""
+        state, log_dir = self._latest()
+        return self.shown_path(state["kth_best_model_path"], log_dir)
+
+    @property
+    def kth_value(self) -> torch.Tensor:
+        """The score of ``kth_best_model_path`` (inf for "min", -inf for "max" until then)."""
+        return torch.tensor(self._latest()[0]["kth_value"])
+
+    @property
+    def last_model_path(self) -> str:
+        """The absolute path of the latest ``last`` checkpoint ("" without ``save_last``)."""
+        state, log_dir = self._latest()
+        return self.shown_path(state["last_model_path"], log_dir)
+
+    @property
+    def current_score(self) -> torch.Tensor | None:
+        """The monitored value at the latest save attempt (None before one)."""
+        score = self._latest()[0]["current_score"]
+        return None if score is None else torch.tensor(score)
 
     # ------------------------------------------------------------------ helpers
 
@@ -278,14 +372,9 @@ class ModelCheckpoint(Callback):
                 requests = requests | self._remove(previous, ctx)
             state["best_model_path"] = path
             return self._saved(state, ctx, path), requests
-        if self.monitor not in ctx.metrics:
-            return state, Requests(
-                messages=(
-                    f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric; "
-                    f"available: {sorted(ctx.metrics)}. Nothing saved.",
-                )
-            )
-        current = _float(ctx.metrics[self.monitor])
+        if self.monitor not in metrics:
+            return state, self._missing(state, metrics)
+        current = float(metrics[self.monitor])
         if math.isnan(current):
             current = math.inf if self.mode == "min" else -math.inf
         state["current_score"] = current
@@ -332,6 +421,28 @@ class ModelCheckpoint(Callback):
             )
         return self._saved(state, ctx, path), requests
 
+    def _has_monitor(self, ctx: Context) -> bool:
+        """Whether the monitored value is among the candidates (the logged metrics, epoch,
+        step)."""
+        return self.monitor in ctx.metrics or self.monitor in ("epoch", "step")
+
+    def _missing(self, state: dict[str, Any], metrics: Mapping[str, Any]) -> Requests:
+        """A save found no monitored value: an error once a validation of this fit has run
+        (the metric will not appear later; Lightning raises then too), else one message per
+        fit (Lightning warns once)."""
+        text = (
+            f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric among the "
+            f"logged ones: {sorted(metrics)}. Monitor one of these, or log "
+            f"{self.monitor!r} (return it in a step's metrics, or from a callback as "
+            "Requests(log=...))"
+        )
+        if state.get("validated", False):
+            raise RuntimeError(f"{text}; a validation has run without logging it.")
+        if self._told_missing:
+            return NOTHING
+        self._told_missing = True
+        return Requests(messages=(f"{text}. Nothing saved.",))
+
     def _save_last(self, state: dict[str, Any], ctx: Context) -> tuple[dict[str, Any], Requests]:
         if not self.save_last:
             return state, NOTHING
@@ -372,6 +483,7 @@ class ModelCheckpoint(Callback):
                 "use save_last=True"
             )
         state, messages = self._adopt(state, ctx, folder)
+        self._told_missing = False
         return state, Requests(messages=messages) if messages else NOTHING
 
     def _adopt(
@@ -482,7 +594,7 @@ class ModelCheckpoint(Callback):
                 self._last_time_checked = ctx.elapsed
         if not (steps_due or time_due):
             return state, NOTHING
-        if self.monitor is not None and self.monitor not in ctx.metrics:
+        if self.monitor is not None and not self._has_monitor(ctx):
             return {**state, "deferred": True}, NOTHING
         return self._save_all(state, ctx)
 
@@ -500,6 +612,10 @@ class ModelCheckpoint(Callback):
     def on_validation_end(
         self, state: dict[str, Any], ctx: Context
     ) -> tuple[dict[str, Any], Requests]:
+        if ctx.fn == "fit":  # the sanity check does not count, an empty validation neither
+            ran = ctx.stage != Stage.SANITY_CHECK and sum(ctx.num_batches or ()) > 0
+            if state.get("validated") != ran:
+                state = {**state, "validated": ran}
         if self._skip(ctx, state) or self._on_epoch_end(ctx):
             return state, NOTHING
         if state["deferred"]:

@@ -20,6 +20,9 @@ injected state holds then is the value that step used (a schedule injected into 
 optimizer records the value it evaluated; a scheduler config writes its value before the
 batch). So the row of step ``k`` carries the learning rate step ``k`` trained with. Per
 epoch, it logs at ``on_train_epoch_start``, after the epoch's schedulers set their values.
+The value logged is the float the optimizer runs with (the injected 0-d float64 tensor,
+read as a Python float, as Lightning logs ``param_group["lr"]``): ``lr=0.1`` logs exactly
+0.1, not its float32 rounding.
 """
 
 from __future__ import annotations
@@ -248,4 +251,8 @@ class LearningRateMonitor(Callback):
 
     def _log(self, ctx: Context) -> Requests:
         values = self.values(ctx.state.opt_state, ctx.extra.get("lr_scheduler_names"))
-        return Requests(log=values) if values else NOTHING
+        if not values:
+            return NOTHING
+        # 0-d float64 tensors: the driver turns a Python float into a float32 tensor, which
+        # would log 0.1 as 0.10000000149011612; the loggers get the optimizer's own float
+        return Requests(log={k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})

@@ -13,11 +13,20 @@ rate, skipping the first 10 points and the last one).
 The sweep is a ``fit`` on a private trainer (``trial.trial_trainer``) whose result is
 dropped: the caller's state and trainer are never written, so the run after the sweep starts
 from exactly the state before it — Lightning has to save a checkpoint before the sweep and
-load it back after. The learning rate is set by scaling the optimizer's updates by
-``lr / base_lr`` (``optim.scale_by_schedule`` chained after the task's optimizer), which is
-the learning rate ``lr`` for every optimizer whose update is proportional to its learning
-rate (all of torch's and ``engine.optim``'s); ``base_lr`` is the injected ``lr`` of the
-optimizer state (``optim.inject_hyperparams``) or the task's ``lr`` / ``learning_rate``.
+load it back after.
+
+The learning rate itself is set before each step, as Lightning's sweep scheduler sets
+``param_group["lr"]``: through the optimizer state's injected ``lr`` (a
+``Requests(hyperparams={"lr": ...})``, as the schedulers do; every injected ``lr``, one per
+parameter group, gets the same value), when the optimizer has one — built with
+``optim.inject_hyperparams``, or a torch optimizer (``optim.from_torch``, a
+``torch.optim`` class or ``functools.partial`` of one). The steps then compute what
+Lightning's do, bitwise. An injected ``lr`` that is a schedule would override the sweep's
+value: that is an error. An optimizer without an injected ``lr`` (``optim.sgd(0.1)``) gets
+its updates scaled by ``lr / base_lr`` instead (``optim.scale_by_schedule`` chained after
+it): the learning rate ``lr`` for every optimizer whose update is proportional to it (all
+of torch's and ``engine.optim``'s), up to the rounding of that product; ``base_lr`` is then
+the task's ``lr`` / ``learning_rate``.
 ``configure_optimizers`` may return any of its shapes with one optimizer; its scheduler is
 left out of the sweep (Lightning swaps the schedulers for the sweep's own), and several
 optimizers are refused, as in Lightning.
@@ -140,20 +149,35 @@ class LRSweepCallback(Callback):
         start_step: int,
         early_stop_threshold: float | None,
         beta: float = 0.98,
+        set_lr: bool = False,
     ) -> None:
         self.lrs = list(lrs)
         self.start_step = start_step
         self.early_stop_threshold = early_stop_threshold
         self.beta = beta
+        self.set_lr = set_lr
 
     def init(self) -> dict[str, Any]:
         return {"lr": (), "loss": (), "avg_loss": 0.0, "best_loss": 0.0, "diverged": False}
+
+    def _lr(self, ctx: Context) -> float:
+        """The learning rate of the optimizer step this batch belongs to."""
+        k = ctx.global_step - self.start_step
+        return self.lrs[min(k, len(self.lrs) - 1)]
+
+    def on_train_batch_start(self, state: dict[str, Any], ctx: Context) -> tuple[Any, Requests]:
+        """With ``set_lr``: the injected learning rate becomes this step's, before it runs."""
+        if not self.set_lr:
+            return state, NOTHING
+        return state, Requests(hyperparams={"lr": self._lr(ctx)})
 
     def on_train_batch_end(self, state: dict[str, Any], ctx: Context) -> tuple[Any, Requests]:
         out = ctx.outputs
         if out is None or not getattr(out, "stepped", True):
             return state, NOTHING  # inside an accumulation window: no optimizer step yet
         current_step = ctx.global_step - self.start_step  # 1 after the first step
+        if self.set_lr:
+            _check_used(ctx.state.opt_state, self.lrs[min(current_step, len(self.lrs)) - 1])
         loss = float(out.loss) if out.loss is not None else math.nan
         avg = self.beta * state["avg_loss"] + (1 - self.beta) * loss
         smoothed = avg / (1 - self.beta ** (current_step + 1))
@@ -176,6 +200,20 @@ class LRSweepCallback(Callback):
         return new, Requests(stop=True) if stop else NOTHING
 
 
+def _check_used(opt_state: Any, lr: float) -> None:
+    """Refuse an optimizer whose injected learning rate is not the one the sweep set (a
+    schedule injected with it overrides what the state holds at every step)."""
+    used = {
+        float(h.hyperparams["lr"]) for h in find_hyperparams(opt_state) if "lr" in h.hyperparams
+    }
+    if used != {lr}:
+        raise ValueError(
+            f"lr_find set the learning rate {lr}, but the optimizer stepped with {sorted(used)}: "
+            "its injected lr is a schedule, which overrides the state's value at every step; "
+            "give the optimizer a float lr for the sweep"
+        )
+
+
 def _the_optimizer(task: Any) -> OptimizerConfig:
     """The task's one optimizer, from any of ``configure_optimizers``' shapes (a transform,
     Lightning's dict with a scheduler, ...). Several are refused, as in Lightning."""
@@ -193,11 +231,13 @@ def _the_optimizer(task: Any) -> OptimizerConfig:
     return entries[0]
 
 
-def _sweep_optimizer(entry: OptimizerConfig, factor: Any) -> Any:
-    """What the sweep's ``configure_optimizers`` returns: the task's optimizer with its
-    updates scaled by ``factor(count)``, its own clipping kept and its scheduler left out
-    (Lightning swaps the schedulers for the sweep's own)."""
-    tx = optim.chain(entry.optimizer, optim.scale_by_schedule(factor))
+def _sweep_optimizer(entry: OptimizerConfig, factor: Any = None) -> Any:
+    """What the sweep's ``configure_optimizers`` returns: the task's optimizer (with its
+    updates scaled by ``factor(count)`` when one is given), its own clipping kept and its
+    scheduler left out (Lightning swaps the schedulers for the sweep's own)."""
+    tx = entry.optimizer
+    if factor is not None:
+        tx = optim.chain(tx, optim.scale_by_schedule(factor))
     clip = {
         k: v
         for k, v in (
@@ -240,6 +280,31 @@ def _base_lr(task: Any, state: Any, attr_name: str, entry: OptimizerConfig) -> f
 def _injected_lr(opt_state: Any) -> bool:
     """Whether ``opt_state`` holds an injected learning rate (``optim.inject_hyperparams``)."""
     return any(any(k in h.hyperparams for k in LR_ATTRS) for h in find_hyperparams(opt_state))
+
+
+def _settable_lr(entry: OptimizerConfig, state: Any) -> bool:
+    """Whether the sweep can set the optimizer's learning rate itself: its state (the given
+    one, else a fresh one) holds an injected float ``lr`` (``Requests.hyperparams`` sets
+    every one of them; a tuple of rates cannot take one value)."""
+    if state is not None:
+        opt_state = state.opt_state
+    else:
+        try:
+            opt_state = entry.optimizer.init({})
+        except Exception:  # an optimizer that cannot start without parameters
+            return False
+    found = [h.hyperparams["lr"] for h in find_hyperparams(opt_state) if "lr" in h.hyperparams]
+    return bool(found) and not any(isinstance(v, tuple) for v in found)
+
+
+def _scaling(lrs: Sequence[float], base: float) -> Any:
+    """The factor of step ``count`` that makes an optimizer at ``base`` step at ``lrs``."""
+    factors = [lr / base for lr in lrs]
+
+    def factor(count: int) -> float:
+        return factors[min(count, len(factors) - 1)]
+
+    return factor
 
 
 def _check(min_lr: float, max_lr: float, num_training: int, mode: str, threshold: Any) -> None:
@@ -308,18 +373,16 @@ def lr_find(
                 "update_attr=False to only look at the results"
             )
     entry = _the_optimizer(task)
-    base = _base_lr(task, state, attr_name, entry)
     lrs = sweep_lrs(min_lr, max_lr, num_training, mode)
-    factors = [lr / base for lr in lrs]
-
-    def factor(count: int) -> float:
-        return factors[min(count, len(factors) - 1)]
-
-    sweep_opt = _sweep_optimizer(entry, factor)
+    settable = _settable_lr(entry, state)
+    if settable:  # the learning rate itself, step by step, as Lightning's sweep sets it
+        sweep_opt = _sweep_optimizer(entry)
+    else:  # the updates scaled to it (see the module doc)
+        sweep_opt = _sweep_optimizer(entry, _scaling(lrs, _base_lr(task, state, attr_name, entry)))
     sweep = copy.copy(task)
     sweep.configure_optimizers = lambda: sweep_opt
     start = state.progress.step if state is not None else 0
-    callback = LRSweepCallback(lrs, start, early_stop_threshold)
+    callback = LRSweepCallback(lrs, start, early_stop_threshold, set_lr=settable)
     inner = trial_trainer(
         trainer,
         [callback],
@@ -331,8 +394,8 @@ def lr_find(
         num_sanity_val_steps=0,
         val_check_interval=None,
     )
-    start_state = None
-    if state is not None:  # the sweep's optimizer state: the task's, then the scaling's
+    start_state = state
+    if state is not None and not settable:  # the optimizer state: the task's, the scaling's
         scaling = optim.ScaleByScheduleState(count=0)
         start_state = state.replace(opt_state=(state.opt_state, scaling))
     final = inner.fit(

@@ -1,0 +1,379 @@
+"""``LightningTask``: a Lightning-style module run as a purestep ``Task``.
+
+The module is the template. Its step methods run on the module bound to the state's
+tensors (the engine's ``apply`` is the module itself, its parameters and buffers swapped
+for the state's), so ``self(x)``, ``self.layer`` and everything logged come from the state
+and a resumed run is bit-exact. Lightning's calling conventions are kept:
+``training_step(batch, batch_idx)`` (the batch index of the loop, recorded at
+``on_train_batch_start``), ``validation_step`` / ``test_step`` (with ``dataloader_idx``
+when there are several dataloaders and the method takes it), ``predict_step``; a loss
+tensor or a dict with ``"loss"`` is the training loss. ``self.log`` values are the steps'
+metrics (``loops.lightning.logging``); the loss is logged only when the module logs it, as
+in Lightning. Hooks run with Lightning's signatures, bound to the state's tensors; what
+they log joins the loggers as a callback's values do.
+
+``self.trainer`` is a ``TrainerView``. Python attributes that hooks or steps change on the
+module are not in the state: the first change is reported with a warning naming them.
+At the end of ``fit`` the trained weights are loaded into the module, which is what a
+Lightning user's ``trainer.fit(model)`` followed by ``model.state_dict()`` expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from purestep.engine import checkpoint as ck
+from purestep.engine import metrics as M
+from purestep.engine.bind import Binder
+
+from ..aggregate import Logged
+from ..events import NOTHING, Requests
+from ..task import Task
+from . import hooks, metric_states
+from .attributes import AttributeWatch
+from .logging import LogBuffer
+from .manual import ManualRun
+from .module import MODULE_HOOKS
+from .optimizers import convert_optimizers
+from .trainer_view import TrainerView
+
+__all__ = ["LightningTask", "adapt"]
+
+
+class LightningTask(Task):
+    """A Lightning-style module as a ``Task`` (see the module doc)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        if not hooks.is_lightning_module(module):
+            raise TypeError(
+                f"LightningTask wraps a LightningModule (purestep's or lightning's), got "
+                f"{type(module).__name__}"
+            )
+        hooks.check_hooks(module)
+        super().__init__(module, hparams=self._plain_hparams(module))
+        self.module = module
+        #: Lightning's flag, read when fit starts (``__init__`` usually sets it)
+        self.automatic_optimization = bool(module.automatic_optimization)
+        #: the torch optimizers configure_optimizers returned (``on_before_optimizer_step``)
+        self.torch_optimizers: list[Any] = []
+        self.logs = LogBuffer()
+        self.view: TrainerView | None = None
+        self._batch_idx = 0
+        self._binder = Binder(module)
+        #: torchmetrics objects among the submodules, by path (``metric_states``)
+        self.metrics = metric_states.register(module)
+        self.attributes = AttributeWatch(module, hooks.base_of(module))
+        for hook in hooks.DATALOADER_HOOKS:
+            if hooks.overrides(module, hook) or (hook in type(module).__dict__):
+                setattr(self, hook, getattr(module, hook))
+        if hooks.overrides(module, "prepare_data"):
+            self.prepare_data = module.prepare_data
+        self._install_event_handlers()
+
+    @staticmethod
+    def _plain_hparams(module: nn.Module) -> dict[str, Any]:
+        """The module's ``hparams`` that a checkpoint can hold (plain data)."""
+        out = {}
+        for name, value in dict(getattr(module, "hparams", {}) or {}).items():
+            try:
+                out[name] = ck.check_plain(value, name)
+            except ck.CheckpointError:
+                continue
+        return out
+
+    # ------------------------------------------------------------------ attaching
+
+    def attach(self, trainer: Any) -> None:
+        """Attach the module to ``trainer`` for a run: ``self.trainer`` is a view of it and
+        ``self.log`` writes into this task's buffer."""
+        self.view = TrainerView(trainer)
+        self.module.trainer = self.view
+        self.module.__dict__["log"] = self.logs.log
+        self.module.__dict__["log_dict"] = self.logs.log_dict
+        self.attributes.accept()
+
+    def detach(self) -> None:
+        """Give the module its own ``log`` back (the trainer stays attached, as in
+        Lightning, for ``model.trainer`` after a run)."""
+        for name in ("log", "log_dict"):
+            self.module.__dict__.pop(name, None)
+
+    def finish_fit(self, state: Any) -> None:
+        """Load the trained parameters and buffers into the module (Lightning trains the
+        module in place)."""
+        from purestep import engine
+
+        engine.to_module(state, self.module, inplace=True)
+
+    # ------------------------------------------------------------------ steps
+
+    def has(self, method: str) -> bool:
+        if method == "training_step":
+            return True
+        return hooks.overrides(self.module, method)
+
+    def get_model(self) -> nn.Module:
+        return self.module
+
+    def _run_step(
+        self, hook: str, batch: Any, fn: Callable[[], Any]
+    ) -> tuple[Any, dict[str, Logged]]:
+        for metric in self.metrics.values():  # each step updates its batch's states only
+            metric.reset()
+        self.logs.open(hook, batch)
+        try:
+            out = fn()
+        finally:
+            logged = self.logs.take()
+        self.attributes.check(hook)
+        return out, self._read_metrics(logged)
+
+    def _read_metrics(self, logged: dict[str, Logged]) -> dict[str, Logged]:
+        """Logged torchmetrics objects as their states after the step (``snapshot``)."""
+        for name, entry in logged.items():
+            if metric_states.is_torchmetric(entry.value):
+                key = metric_states.key_of(self.module, entry.value)
+                if key is None:
+                    raise ValueError(
+                        f"self.log({name!r}, metric): the metric must be an attribute of "
+                        f"{type(self.module).__name__} (a submodule), as Lightning requires"
+                    )
+                logged[name] = entry.replace(value=metric_states.snapshot(entry.value, key))
+        return logged
+
+    def training_step(self, apply: nn.Module, batch: Any) -> Any:
+        if not self.automatic_optimization:  # ``apply`` is the loop's OptimizerHandle
+            return self._manual_step(apply, batch)
+        out, logged = self._run_step(
+            "training_step", batch, lambda: apply.training_step(batch, self._batch_idx)
+        )
+        if isinstance(out, dict):
+            if "loss" not in out:
+                raise ValueError(
+                    f"{type(self.module).__name__}.training_step returned a dict without "
+                    "'loss'; automatic optimization needs the loss under 'loss'"
+                )
+            out = out["loss"]
+        if out is None:
+            raise NotImplementedError(
+                f"{type(self.module).__name__}.training_step returned None: skipping a batch "
+                "this way is not supported yet under purestep.Trainer"
+            )
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"{type(self.module).__name__}.training_step must return the loss tensor or a "
+                f"dict with 'loss', got {type(out).__name__}"
+            )
+        # the loss is logged only if the module logs it (Lightning's rule)
+        return out, {"loss": _hidden(out), **logged}
+
+    def _manual_step(self, handle: Any, batch: Any) -> dict[str, Any]:
+        """Lightning's manual optimization (``loops.lightning.manual``): the module's
+        ``training_step`` runs once, imperatively, its ``opt.step()`` calls pure updates.
+        What it logs is the batch's metrics; its return value is ignored, as Lightning's."""
+        run = ManualRun(self.module, self._binder, handle, batch, self.torch_optimizers)
+        _, logged = self._run_step(
+            "training_step",
+            batch,
+            lambda: run.run(lambda: self.module.training_step(batch, self._batch_idx)),
+        )
+        loss = run.losses[-1] if run.losses else torch.tensor(float("nan"))
+        return loss, {"loss": _hidden(loss), **logged}
+
+    def _eval_step(self, hook: str, apply: nn.Module, batch: Any) -> dict[str, Any]:
+        method = getattr(apply, hook)
+        args = (batch, self._batch_idx)
+        if self._several_loaders and hooks.accepts(method, 3):
+            args = (*args, self._dataloader_idx)
+        _, logged = self._run_step(hook, batch, lambda: method(*args))
+        return dict(logged)
+
+    def validation_step(self, apply: nn.Module, batch: Any) -> dict[str, Any]:
+        return self._eval_step("validation_step", apply, batch)
+
+    def test_step(self, apply: nn.Module, batch: Any) -> dict[str, Any]:
+        return self._eval_step("test_step", apply, batch)
+
+    def predict_step(self, apply: nn.Module, batch: Any) -> Any:
+        method = apply.predict_step
+        args = (batch, self._batch_idx)
+        if self._several_loaders and hooks.accepts(method, 3):
+            args = (*args, self._dataloader_idx)
+        out, _ = self._run_step("predict_step", batch, lambda: method(*args))
+        return out
+
+    _several_loaders = False
+    _dataloader_idx = 0
+
+    # ------------------------------------------------------------------ configuration
+
+    def configure_optimizers(self) -> Any:
+        output = self.module.configure_optimizers()
+        self.torch_optimizers = _torch_optimizers(output)
+        return convert_optimizers(output, self.module)
+
+    def configured_callbacks(self) -> list[Any]:
+        """The module's ``configure_callbacks()``: purestep callbacks (a Lightning callback
+        object would run Lightning's machinery, which is not here)."""
+        found = self.module.configure_callbacks() or []
+        found = [found] if not isinstance(found, (list, tuple)) else list(found)
+        for cb in found:
+            if not (hasattr(cb, "key") and callable(getattr(cb, "init", None))):
+                raise TypeError(
+                    f"{type(self.module).__name__}.configure_callbacks() returned a "
+                    f"{type(cb).__module__}.{type(cb).__name__}: return purestep callbacks "
+                    "(purestep.loops.callbacks: ModelCheckpoint, EarlyStopping, ...)"
+                )
+        return found
+
+    def setup(self, stage: str) -> None:
+        self.module.configure_model()
+        self.module.setup(stage)
+        self.attributes.check("setup")
+
+    def teardown(self, stage: str) -> None:
+        self.module.teardown(stage)
+
+    def on_save_checkpoint(self) -> Any:
+        checkpoint: dict[str, Any] = {}
+        self.module.on_save_checkpoint(checkpoint)
+        return checkpoint or None
+
+    def on_load_checkpoint(self, data: Any) -> None:
+        self.module.on_load_checkpoint(dict(data) if isinstance(data, dict) else {})
+        self.attributes.accept()  # what the hook restored is the module's own
+
+    # ------------------------------------------------------------------ loop events
+
+    def _before_optimizer_step(self, ctx: Any) -> None:
+        """Lightning's ``on_before_optimizer_step(optimizer)``, with the step's gradients in
+        the bound parameters' ``.grad`` (so ``grad_norm(self)`` and the like work); the
+        optimizer is the torch instance ``configure_optimizers`` returned (its settings; the
+        optimizer state itself is in the TrainState)."""
+        grads = getattr(ctx.outputs, "grads", None) or {}
+        named = dict(self.module.named_parameters())
+        touched = []
+        try:
+            for name, grad in grads.items():
+                if name in named:
+                    named[name].grad = grad
+                    touched.append(named[name])
+            optimizer = self.torch_optimizers[0] if self.torch_optimizers else None
+            self.module.on_before_optimizer_step(optimizer)
+        finally:
+            for tensor in touched:
+                tensor.grad = None
+
+    def _install_event_handlers(self) -> None:
+        """Handlers (purestep's ``(state, ctx) -> (state, Requests)``) for the events whose
+        module hook is overridden, and always for the batch starts (the batch index)."""
+        always = {
+            "on_train_batch_start",
+            "on_validation_batch_start",
+            "on_test_batch_start",
+            "on_predict_batch_start",
+        }
+        for event, (hook, stage, args) in hooks.EVENT_HOOKS.items():
+            user = hook in MODULE_HOOKS and hooks.overrides(self.module, hook)
+            if user or event in always:
+                setattr(self, event, self._handler(event, hook, stage, args, user))
+
+    def _handler(
+        self, event: str, hook: str, stage: str, args: Callable[[Any], tuple], user: bool
+    ) -> Callable[[Any, Any], tuple[Any, Requests]]:
+        def handle(own: Any, ctx: Any) -> tuple[Any, Requests]:
+            if self.view is not None:
+                self.view.observe(ctx.state.progress, ctx.stage)
+            if ctx.batch_idx is not None:
+                self._batch_idx = ctx.batch_idx
+                self._dataloader_idx = ctx.dataloader_idx
+                self._several_loaders = hooks.several_loaders(ctx)
+            if not user:
+                return own, NOTHING
+            state = ctx.state
+            self.logs.open(hook, ctx.batch)
+            try:
+                with (
+                    self._binder.bind(state.params, state.buffers, training=stage == "train"),
+                    metric_states.compute_refused(self.metrics, hook),
+                ):
+                    if event == "on_before_optimizer_step":
+                        self._before_optimizer_step(ctx)
+                    else:
+                        getattr(self.module, hook)(*args(ctx))
+            finally:
+                logged = self.logs.take()
+            self.attributes.check(hook)
+            stop = self.view is not None and self.view.take_stop()
+            if any(metric_states.is_torchmetric(e.value) for e in logged.values()):
+                raise NotImplementedError(
+                    f"self.log(name, metric) in {hook} is not supported under purestep.Trainer: "
+                    "log the metric object from the step (training_step, validation_step, "
+                    "test_step), where its epoch value is computed over the epoch's updates"
+                )
+            values = {name: _plain(entry.value) for name, entry in logged.items()}
+            if not values and not stop:
+                return own, NOTHING
+            return own, Requests(stop=stop, log=values)
+
+        handle.__name__ = event
+        return handle
+
+
+def _torch_optimizers(output: Any) -> list[Any]:
+    """The torch optimizer instances in a ``configure_optimizers`` output, in order."""
+    from torch.optim import Optimizer
+
+    found: list[Any] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Optimizer):
+            found.append(value)
+        elif isinstance(value, dict):
+            walk(value.get("optimizer"))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(
+        output[0]
+        if isinstance(output, (list, tuple))
+        and len(output) == 2
+        and isinstance(output[0], (list, tuple))
+        else output
+    )
+    return found
+
+
+def _hidden(loss: torch.Tensor) -> Logged:
+    """The loss as a step metric that is logged nowhere: the loop logs a step's loss unless
+    the metrics say otherwise, and Lightning logs only what ``self.log`` names."""
+    return Logged(
+        loss.detach(), on_step=False, on_epoch=False, prog_bar=False, logger=False, prefix=False
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A hook's logged value as the number callbacks' requests carry."""
+    return value.compute() if isinstance(value, M.Metric) else value
+
+
+def adapt(model: Any, trainer: Any) -> Any:
+    """``model`` as the Trainer runs it: a Lightning-style module becomes a ``LightningTask``
+    attached to ``trainer`` (the same task for the same module, so a second call reuses
+    it); anything else is returned as it is."""
+    if isinstance(model, LightningTask):
+        model.attach(trainer)
+        return model
+    if not hooks.is_lightning_module(model):
+        return model
+    tasks = trainer.__dict__.setdefault("_lightning_tasks", {})
+    task = tasks.get(id(model))
+    if task is None or task.module is not model:
+        task = tasks[id(model)] = LightningTask(model)
+    task.attach(trainer)
+    return task
