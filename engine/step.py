@@ -153,24 +153,29 @@ def detached(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _storage(t: Tensor) -> int:
+    """Where ``t``'s storage starts (a DTensor's: its local shard's; it has no storage of its
+    own to ask)."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if local is not None else t).untyped_storage().data_ptr()
+
+
 def _unaliased(metrics: dict[str, Any], state: TrainState) -> dict[str, Any]:
     """``metrics`` with a copy of every tensor that shares storage with the state's parameters
-    or optimizer state (a metric that is a parameter's value, say a learnable temperature):
-    a donating update is about to overwrite those, and the step reports the values the
-    forward pass saw. Unchanged (the same dict) when nothing is shared, the usual case."""
+    (a metric that is a parameter's value, say a learnable temperature): a donating update
+    is about to overwrite those, and the step reports the values the forward pass saw. The
+    loss function sees the parameters and the batch, never the optimizer state, so only the
+    parameters are looked at (a dict: no tree walk over the optimizer state every step).
+    Unchanged (the same dict) when nothing is shared, the usual case."""
     tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
     if not tensors:
         return metrics
-    owned = {
-        t.untyped_storage().data_ptr()
-        for t in leaves((state.params, state.opt_state))
-        if isinstance(t, Tensor)
-    }
-    if not any(t.untyped_storage().data_ptr() in owned for t in tensors):
+    owned = {_storage(t) for t in state.params.values()}
+    if not any(_storage(t) in owned for t in tensors):
         return metrics
 
     def copy_if_shared(x: Any) -> Any:
-        if isinstance(x, Tensor) and x.untyped_storage().data_ptr() in owned:
+        if isinstance(x, Tensor) and _storage(x) in owned:
             return x.clone()
         return x
 

@@ -91,7 +91,9 @@ class FitLoop:
     batch streams; ``reload_train`` / ``reload_val`` (optional) build them, when they are not
     given and when ``reload_dataloaders_every_n_epochs`` says so. ``eval_step``: an
     ``engine.eval_step``; without it there is no validation. ``hparams`` are sent to the
-    loggers after ``on_fit_start``.
+    loggers after ``on_fit_start``. ``log_loss=False``: the step's loss is not logged as
+    ``train_loss`` (only its metrics are; a Lightning-style module logs what ``self.log``
+    names).
 
     ``donate=True``: the optimizer updates write the parameters and optimizer state in place
     (``step.donating(backward=False)``), like a hand-written loop — one copy of the state
@@ -122,8 +124,10 @@ class FitLoop:
         schedulers: Sequence[Any] = (),
         track_grad_norm: Any = -1,
         terminate_on_nan: bool = False,
+        log_loss: bool = True,
     ) -> None:
         self._multi = bool(getattr(step, "multi", False))
+        self.log_loss = log_loss
         if self._multi:
             donate = False  # several optimizers' updates are threaded: no in-place update
         elif not (hasattr(step, "backward") and hasattr(step, "apply")):
@@ -496,7 +500,12 @@ class FitLoop:
 
         samples = state.progress.samples - samples_before  # this batch's
         loop = loop_state.get(state)
-        values = {"loss": out.loss, **out.metrics} if out.metrics else {"loss": out.loss}
+        if not self.log_loss:
+            values = out.metrics
+        elif out.metrics:
+            values = {"loss": out.loss, **out.metrics}
+        else:
+            values = {"loss": out.loss}
         plain = aggregate.plain_step_values(values, Stage.TRAIN, loop.train_specs)
         if plain is not None:  # the usual batch: nothing to accumulate, no new names
             to_log, bar, to_callbacks = plain

@@ -120,6 +120,10 @@ class Task:
     #: ``OptimizerHandle`` and runs ``opt.step(name, loss_fn, batch)`` itself.
     automatic_optimization: bool = True
 
+    #: Whether the training loss is logged as ``train_loss`` by itself (a Task's rule; a
+    #: Lightning-style module logs only what ``self.log`` names)
+    log_loss: bool = True
+
     def __init__(self, model: nn.Module | None = None, hparams: dict[str, Any] | None = None):
         self.model = model
         if hparams is None:  # keep what save_hyperparameters() recorded before this call

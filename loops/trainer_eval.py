@@ -69,6 +69,8 @@ def eval_target(
         raise TypeError(
             f"expected a TrainState, a Task or an nn.Module, got {type(model).__name__}"
         )
+    if isinstance(task, lightning.LightningTask):  # the fitted one too: self.log, self.trainer
+        task.attach(trainer)
     if state is None:
         if trainer.train_state is not None and task is fitted:
             state = trainer.train_state
@@ -146,6 +148,7 @@ def evaluate(
             _, results = run_evaluate(stage, state, step, sources, driver=driver)
     finally:
         trainer.status = driver.status
+        _detach(task)
     if trainer.status != TrainerStatus.FINISHED:
         return []
     task.teardown(name)
@@ -193,6 +196,7 @@ def predict(
             _, outputs = run_predict(state, step, sources, driver=driver, keep=return_predictions)
     finally:
         trainer.status = driver.status
+        _detach(task)
     if trainer.status != TrainerStatus.FINISHED:
         return None
     task.teardown("predict")
@@ -202,6 +206,12 @@ def predict(
         return None
     trainer.predictions = outputs[0] if len(outputs) == 1 else outputs
     return trainer.predictions
+
+
+def _detach(task: Task) -> None:
+    """A Lightning-style module gets its own ``self.log`` back after a run."""
+    if isinstance(task, lightning.LightningTask):
+        task.detach()
 
 
 def results_table(name: str, results: Sequence[dict[str, float]]) -> str:

@@ -258,6 +258,7 @@ def fit(
         reload_train=train_loader,
         reload_val=val_loaders if validates else None,
         hparams=task.hparams or None,
+        log_loss=getattr(task, "log_loss", True),
         donate=trainer.donate_state,
         schedulers=plan.schedulers,
         track_grad_norm=trainer.track_grad_norm,

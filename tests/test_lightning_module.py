@@ -555,3 +555,64 @@ def test_configure_optimizers_may_read_the_stepping_batches_without_a_second_dat
     )
     again.fit(Scheduled())
     assert calls == [0, 1]  # and once per reload
+
+
+def test_what_a_reviewer_tripped_on(tmp_path):
+    seen = {}
+
+    class Lazy(purestep.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = None  # built in configure_model: no attribute warning for it
+
+        def configure_model(self):
+            if self.layer is None:
+                self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            seen["max_epochs"] = self.trainer.max_epochs
+            return self.layer(batch[0]).pow(2).mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen["loss"] = outputs["loss"]  # Lightning's dict
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+        def configure_optimizers(self):
+            return purestep.optim.sgd(0.1)  # an engine transform (a NamedTuple) as it is
+
+    train, val = _points()
+    model = Lazy()
+    model.configure_model()
+    trainer = purestep.Trainer(max_epochs=2, default_root_dir=tmp_path, **QUIET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no attribute warning, no other warning
+        trainer.fit(model, train, val)
+    assert seen["max_epochs"] == 2 and isinstance(seen["loss"], torch.Tensor)
+    # evaluating the fitted module without passing it still runs its self.log
+    (results,) = trainer.validate(dataloaders=val, verbose=False)
+    assert set(results) == {"val_loss"}
+    with pytest.warns(UserWarning, match="not being run"):
+        model.log("x", 1.0)  # and afterwards the module's own log is back
+
+    class TwoAutomatic(Lazy):
+        def configure_optimizers(self):
+            return [
+                torch.optim.SGD([self.layer.weight], 0.1),
+                torch.optim.SGD([self.layer.bias], 0.1),
+            ]
+
+    twice = TwoAutomatic()
+    twice.configure_model()
+    with pytest.raises(ValueError, match="several optimizers need manual optimization"):
+        purestep.Trainer(default_root_dir=tmp_path, **QUIET).fit(twice, train)
+
+    class Stepping(Lazy):
+        def optimizer_step(self, *args, **kwargs):
+            pass
+
+    with pytest.warns(UserWarning, match=r"\['optimizer_step'\], which purestep.Trainer does not"):
+        from purestep.loops.lightning import LightningTask
+
+        LightningTask(Stepping())  # reported when the adapter is made, before any run

@@ -52,7 +52,14 @@ _add("on_before_optimizer_step", "train", lambda ctx: (None,))  # the optimizer:
 _add("on_fit_start", "train")
 _add("on_fit_end", "train")
 _add("on_train_batch_start", "train", lambda ctx: (ctx.batch, ctx.batch_idx))
-_add("on_train_batch_end", "train", lambda ctx: (ctx.outputs, ctx.batch, ctx.batch_idx))
+_add("on_train_batch_end", "train", lambda ctx: (_outputs(ctx), ctx.batch, ctx.batch_idx))
+
+
+def _outputs(ctx: Any) -> Any:
+    """The training step's outputs as Lightning hands them to ``on_train_batch_end``: a
+    dict with the (detached) loss."""
+    loss = getattr(ctx.outputs, "loss", None)
+    return {"loss": loss} if loss is not None else ctx.outputs
 
 
 def several_loaders(ctx: Any) -> bool:
@@ -86,6 +93,17 @@ _NOT_CALLED = frozenset(
         "on_before_zero_grad",
         "on_validation_model_eval",
         "on_validation_model_train",
+        "on_test_model_eval",
+        "on_test_model_train",
+        "on_predict_model_eval",
+        "optimizer_step",
+        "optimizer_zero_grad",
+        "lr_scheduler_step",
+        "configure_gradient_clipping",
+        "backward",
+        "transfer_batch_to_device",
+        "on_before_batch_transfer",
+        "on_after_batch_transfer",
     }
 )
 

@@ -132,15 +132,16 @@ class LogBuffer:
 
     def __init__(self) -> None:
         self.hook: str | None = None
-        self.batch_size = 0
-        self._values: dict[str, Logged] = {}
+        self._batch: Any = None
+        self._values: dict[str, Logged | torch.Tensor] = {}
 
     def open(self, hook: str, batch: Any = None) -> None:
         """Start recording for ``hook``; ``batch`` gives the default ``batch_size``."""
-        self.hook, self._values = hook, {}
-        self.batch_size = batch_size_of(batch) if batch is not None else 1
+        self.hook, self._values, self._batch = hook, {}, batch
 
-    def take(self) -> dict[str, Logged]:
+    def take(self) -> dict[str, Logged | torch.Tensor]:
+        """What was logged since ``open``: ``Logged`` values, or plain tensors where the
+        loop's defaults for the name are Lightning's (``train_*`` per step)."""
         values, self._values, self.hook = self._values, {}, None
         return values
 
@@ -198,7 +199,22 @@ class LogBuffer:
         raw = _value(value, name)
         weighted = reduce_fx in ("mean", "avg", torch.mean)
         if on_epoch and weighted and not (isinstance(raw, M.Metric) or is_torchmetric(raw)):
-            raw = LightningMean.of(raw, batch_size or self.batch_size or 1)
+            if batch_size is None:  # Lightning infers it from the batch
+                batch_size = batch_size_of(self._batch) if self._batch is not None else 1
+            raw = LightningMean.of(raw, batch_size or 1)
+        if (
+            per_step
+            and on_step
+            and not on_epoch
+            and not prog_bar
+            and logger is not False
+            and name.startswith("train_")
+            and type(raw) is torch.Tensor
+        ):
+            # what the loop does with a plain "train_*" value anyway: no options to carry,
+            # and the loop's fast path for plain per-step tensors applies
+            self._values[name] = raw
+            return
         entry = log(
             raw,
             on_step=on_step,

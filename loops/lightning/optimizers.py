@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from purestep.engine.optim import GradientTransformation
 from purestep.engine.optim.torch_instances import from_instance
 
 __all__ = ["convert_optimizers"]
@@ -54,6 +55,8 @@ def convert_optimizers(
             return out
         return value
 
+    if isinstance(output, GradientTransformation):  # a NamedTuple, not a list of optimizers
+        return output
     if (
         isinstance(output, (list, tuple))
         and len(output) == 2

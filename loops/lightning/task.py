@@ -20,6 +20,7 @@ Lightning user's ``trainer.fit(model)`` followed by ``model.state_dict()`` expec
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ __all__ = ["LightningTask", "adapt"]
 
 class LightningTask(Task):
     """A Lightning-style module as a ``Task`` (see the module doc)."""
+
+    log_loss = False  # Lightning logs what self.log names, the loss only if it is named
 
     def __init__(self, module: nn.Module) -> None:
         if not hooks.is_lightning_module(module):
@@ -104,10 +107,19 @@ class LightningTask(Task):
 
     def finish_fit(self, state: Any) -> None:
         """Load the trained parameters and buffers into the module (Lightning trains the
-        module in place)."""
+        module in place). A state that is no single module's (an ensemble's members, FSDP's
+        shards) stays in the returned ``TrainState``; that is said once."""
         from purestep import engine
 
-        engine.to_module(state, self.module, inplace=True)
+        try:
+            engine.to_module(state, self.module, inplace=True)
+        except (TypeError, ValueError, RuntimeError, ck.CheckpointError) as err:
+            warnings.warn(
+                f"the trained weights are not loaded into {type(self.module).__name__} ({err}); "
+                "they are in the TrainState fit returned (engine.to_module, hardware.member)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ steps
 
@@ -135,7 +147,7 @@ class LightningTask(Task):
     def _read_metrics(self, logged: dict[str, Logged]) -> dict[str, Logged]:
         """Logged torchmetrics objects as their states after the step (``snapshot``)."""
         for name, entry in logged.items():
-            if metric_states.is_torchmetric(entry.value):
+            if isinstance(entry, Logged) and metric_states.is_torchmetric(entry.value):
                 key = metric_states.key_of(self.module, entry.value)
                 if key is None:
                     raise ValueError(
@@ -168,8 +180,7 @@ class LightningTask(Task):
                 f"{type(self.module).__name__}.training_step must return the loss tensor or a "
                 f"dict with 'loss', got {type(out).__name__}"
             )
-        # the loss is logged only if the module logs it (Lightning's rule)
-        return out, {"loss": _hidden(out), **logged}
+        return out, logged  # the loss is logged only if the module logs it (log_loss)
 
     def _manual_step(self, handle: Any, batch: Any) -> dict[str, Any]:
         """Lightning's manual optimization (``loops.lightning.manual``): the module's
@@ -182,7 +193,7 @@ class LightningTask(Task):
             lambda: run.run(lambda: self.module.training_step(batch, self._batch_idx)),
         )
         loss = run.losses[-1] if run.losses else torch.tensor(float("nan"))
-        return loss, {"loss": _hidden(loss), **logged}
+        return loss, logged
 
     def _eval_step(self, hook: str, apply: nn.Module, batch: Any) -> dict[str, Any]:
         method = getattr(apply, hook)
@@ -214,6 +225,13 @@ class LightningTask(Task):
     def configure_optimizers(self) -> Any:
         output = self.module.configure_optimizers()
         self.torch_optimizers = _torch_optimizers(output)
+        if self.automatic_optimization and len(self.torch_optimizers) > 1:
+            raise ValueError(
+                f"{type(self.module).__name__}.configure_optimizers() returned "
+                f"{len(self.torch_optimizers)} optimizers with automatic optimization; as in "
+                "Lightning 2, several optimizers need manual optimization: set "
+                "self.automatic_optimization = False and step them in training_step"
+            )
         return convert_optimizers(output, self.module)
 
     def configured_callbacks(self) -> list[Any]:
@@ -233,7 +251,8 @@ class LightningTask(Task):
     def setup(self, stage: str) -> None:
         self.module.configure_model()
         self.module.setup(stage)
-        self.attributes.check("setup")
+        # what configure_model and setup build is rebuilt by every run (a resumed one too)
+        self.attributes.accept()
 
     def teardown(self, stage: str) -> None:
         self.module.teardown(stage)
@@ -309,13 +328,14 @@ class LightningTask(Task):
                 logged = self.logs.take()
             self.attributes.check(hook)
             stop = self.view is not None and self.view.take_stop()
-            if any(metric_states.is_torchmetric(e.value) for e in logged.values()):
+            values = {n: e.value if isinstance(e, Logged) else e for n, e in logged.items()}
+            if any(metric_states.is_torchmetric(v) for v in values.values()):
                 raise NotImplementedError(
                     f"self.log(name, metric) in {hook} is not supported under purestep.Trainer: "
                     "log the metric object from the step (training_step, validation_step, "
                     "test_step), where its epoch value is computed over the epoch's updates"
                 )
-            values = {name: _plain(entry.value) for name, entry in logged.items()}
+            values = {name: _plain(value) for name, value in values.items()}
             if not values and not stop:
                 return own, NOTHING
             return own, Requests(stop=stop, log=values)
@@ -347,14 +367,6 @@ def _torch_optimizers(output: Any) -> list[Any]:
         else output
     )
     return found
-
-
-def _hidden(loss: torch.Tensor) -> Logged:
-    """The loss as a step metric that is logged nowhere: the loop logs a step's loss unless
-    the metrics say otherwise, and Lightning logs only what ``self.log`` names."""
-    return Logged(
-        loss.detach(), on_step=False, on_epoch=False, prog_bar=False, logger=False, prefix=False
-    )
 
 
 def _plain(value: Any) -> Any:

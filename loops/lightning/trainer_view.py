@@ -71,6 +71,9 @@ class TrainerView:
         try:
             return getattr(self._trainer, name)
         except AttributeError:
+            config = getattr(self._trainer, "config", None)
+            if config is not None and hasattr(config, name):  # max_epochs, max_steps, ...
+                return getattr(config, name)
             raise AttributeError(
                 f"self.trainer has no attribute {name!r} under purestep.Trainer (the Trainer "
                 "offers Lightning's public properties; see the 'Coming from Lightning' guide)"
