@@ -276,10 +276,10 @@ def fit(
             trainer.train_state = None
         else:
             trainer.train_state = loop.state if loop.state is not None else state
-    if isinstance(task, lightning.LightningTask):
-        if trainer.train_state is not None:  # Lightning's module holds the trained weights
-            task.finish_fit(trainer.train_state)
-        task.detach()
+        if isinstance(task, lightning.LightningTask):
+            task.detach()  # also when the run failed: the module gets its own log back
+    if isinstance(task, lightning.LightningTask) and trainer.train_state is not None:
+        task.finish_fit(trainer.train_state)  # Lightning's module holds the trained weights
     if trainer.status == TrainerStatus.FINISHED:
         task.teardown("fit")
         if datamodule is not None:

@@ -10,21 +10,17 @@ installed.
 from __future__ import annotations
 
 import difflib
-import functools
 import glob
 import os
-import re
-import textwrap
 import warnings
 
 import pytest
 import torch
 
+from tests.markdown_blocks import MarkdownBlocks, first_line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(ROOT, "docs", "coming_from_lightning.md")
-
-_DECLARED: dict[str, str] = {}  # first-line prefix -> the test that runs the block
-_RAN: list[str] = []  # prefixes run by the current test
 
 LIT_CALLBACK = "# a Lightning callback"
 PURE_CALLBACK = "# the same callback, pure"
@@ -34,53 +30,10 @@ RESUME = "# resume:"
 TASK = "# the port's classifier as a Task"
 
 
-def _python_blocks() -> list[str]:
-    with open(GUIDE, encoding="utf-8") as f:
-        text = f.read()
-    blocks = re.findall(
-        r"^[ \t]*```(?:python|py|python3)[ \t]*\n(.*?)^[ \t]*```", text, re.S | re.M
-    )
-    return [textwrap.dedent(b) for b in blocks]
-
-
-def _first_line(block: str) -> str:
-    return block.strip().splitlines()[0].strip()
-
-
-def _block(prefix: str) -> str:
-    matches = [b for b in _python_blocks() if _first_line(b).startswith(prefix)]
-    assert len(matches) == 1, f"expected one guide block starting with {prefix!r}"
-    return matches[0]
-
-
-def runs(*prefixes: str):
-    """Declare the guide blocks (by the start of their first line) a test executes."""
-
-    def decorate(test):
-        for prefix in prefixes:
-            assert prefix not in _DECLARED, f"{prefix!r} is declared twice"
-            _DECLARED[prefix] = test.__name__
-
-        @functools.wraps(test)
-        def wrapper(*args, **kwargs):
-            _RAN.clear()
-            result = test(*args, **kwargs)
-            assert list(prefixes) == _RAN, f"{test.__name__} ran {_RAN}, declared {prefixes}"
-            return result
-
-        return wrapper
-
-    return decorate
-
-
-def _exec(source: str, name: str, namespace: dict) -> None:
-    exec(compile(source, f"coming_from_lightning.md block {name!r}", "exec"), namespace)
-
-
-def _run(prefix: str, namespace: dict) -> None:
-    """Execute the one guide block whose first line starts with ``prefix``."""
-    _RAN.append(prefix)
-    _exec(_block(prefix), prefix, namespace)
+PAGE = MarkdownBlocks(GUIDE, "coming_from_lightning.md")
+runs, _run, _block, _python_blocks, _exec = PAGE.runs, PAGE.run, PAGE.block, PAGE.blocks, PAGE.exec
+_first_line = first_line
+_DECLARED = PAGE.declared
 
 
 def _up_to(prefix: str, marker: str, namespace: dict, *, include: bool = False) -> None:

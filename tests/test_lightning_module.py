@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -616,3 +617,142 @@ def test_what_a_reviewer_tripped_on(tmp_path):
         from purestep.loops.lightning import LightningTask
 
         LightningTask(Stepping())  # reported when the adapter is made, before any run
+
+
+class _Accumulating(pl.LightningModule):
+    """Manual optimization accumulating over two batches, as Lightning's docs show, with a
+    log before and after the optimizer step and the step's hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("before_step", loss)
+        self.manual_backward(loss)
+        if (batch_idx + 1) % 2 == 0:
+            opt.step()
+            opt.zero_grad()
+        self.log("after_step", loss + 1)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log("lr_seen", optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.bitwise
+def test_manual_gradients_accumulate_across_batches_as_in_lightning(tmp_path):
+    purestep.seed_everything(0)
+    x, y = torch.randn(20, 3), torch.randn(20, 1)
+    data = DataLoader(TensorDataset(x, y), batch_size=4)  # 5 batches: one left open
+    model = _Accumulating()
+    reference = copy.deepcopy(model)
+    flags = {"max_epochs": 2, "num_sanity_val_steps": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(accelerator="cpu", default_root_dir=tmp_path / "l", **QUIET, **flags).fit(
+            reference, data
+        )
+    trainer = purestep.Trainer(default_root_dir=tmp_path / "p", **QUIET, **flags)
+    state = trainer.fit(model, data)
+    for name, value in reference.named_parameters():
+        assert torch.equal(state.params[name], value), name
+    assert {"before_step", "after_step", "lr_seen"} <= set(trainer.callback_metrics)
+    # the open window's gradient (the 5th batch's) is in the state, for a resume to carry on
+    assert "lightning_manual_grads" in state.extra
+
+
+def test_a_hook_that_writes_the_weights_in_place_is_refused(tmp_path):
+    class Clamping(purestep.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.clamp_(-0.01, 0.01)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = Clamping()
+    with pytest.raises(RuntimeError, match="on_train_batch_end wrote the module's parameters"):
+        purestep.Trainer(default_root_dir=tmp_path, **QUIET).fit(model, _points()[0])
+    with pytest.warns(UserWarning, match="not being run"):
+        model.log("x", 1.0)  # a failed fit gives the module its own log back too
+
+
+def test_batch_end_hooks_get_what_the_step_returned_and_metrics_stay_per_module(tmp_path):
+    import torchmetrics
+
+    seen = []
+
+    class Returning(purestep.LightningModule):
+        def __init__(self, average):
+            super().__init__()
+            self.layer = nn.Linear(4, 3)
+            self.precision_ = torchmetrics.Precision(
+                task="multiclass", num_classes=3, average=average
+            )
+
+        def training_step(self, batch, batch_idx):
+            return {"loss": self.layer(batch[0]).pow(2).mean(), "n": batch_idx}
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.append(outputs["n"])
+
+        def validation_step(self, batch, batch_idx):
+            logits = self.layer(batch[0])
+            self.precision_(logits, logits.argmax(-1).flip(0))
+            self.log("p", self.precision_)
+            return logits
+
+        def on_validation_batch_end(self, outputs, batch, batch_idx):
+            seen.append(tuple(outputs.shape))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    train, val = _points()
+    trainer = purestep.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET)
+    macro, micro = Returning("macro"), Returning("micro")
+    micro.load_state_dict(macro.state_dict(), strict=False)
+    trainer.fit(macro, train)
+    assert seen == [0, 1, 2]
+    first = trainer.validate(macro, val, verbose=False)
+    trainer.validate(micro, val, verbose=False)
+    assert trainer.validate(macro, val, verbose=False) == first  # its own metric object
+    assert seen[3:5] == [(3, 3), (3, 3)]
+
+
+@pytest.mark.bitwise
+def test_lr_find_on_a_lightning_module_is_lightnings_tuner(tmp_path):
+    from lightning.pytorch.demos.boring_classes import DemoModel, RandomDataset
+    from lightning.pytorch.tuner import Tuner as LightningTuner
+
+    from purestep.loops.tuning import Tuner
+
+    purestep.seed_everything(0)
+    theirs = DemoModel()
+    ours = copy.deepcopy(theirs)
+    data = DataLoader(RandomDataset(32, 640), batch_size=8)
+    sweep = {"num_training": 20, "min_lr": 1e-4}
+    flags = {"max_epochs": 1, "accelerator": "cpu", "default_root_dir": tmp_path / "l", **QUIET}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = LightningTuner(pl.Trainer(**flags)).lr_find(theirs, data, **sweep)
+    trainer = purestep.Trainer(max_epochs=1, default_root_dir=tmp_path / "p", **QUIET)
+    found = Tuner(trainer).lr_find(ours, data, **sweep)
+    assert found.results == expected.results
+    # update_attr wrote the suggestion where Lightning's does: the module's learning_rate
+    assert ours.learning_rate == theirs.learning_rate == expected.suggestion()

@@ -9,65 +9,22 @@ block is declared by no test.
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
-import re
 import sys
 import textwrap
 
 import pytest
 import torch
 
+from tests.markdown_blocks import MarkdownBlocks, first_line
+
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
-_DECLARED: dict[str, str] = {}  # first-line prefix -> the test that runs the block
-_RAN: list[str] = []  # prefixes run by the current test
-
-
-def _python_blocks() -> list[str]:
-    with open(README, encoding="utf-8") as f:
-        text = f.read()
-    blocks = re.findall(
-        r"^[ \t]*```(?:python|py|python3)[ \t]*\n(.*?)^[ \t]*```", text, re.S | re.M
-    )
-    return [textwrap.dedent(b) for b in blocks]
-
-
-def _first_line(block: str) -> str:
-    return block.strip().splitlines()[0].strip()
-
-
-def _matching(prefix: str) -> list[str]:
-    return [b for b in _python_blocks() if _first_line(b).startswith(prefix)]
-
-
-def runs(*prefixes: str):
-    """Declare the README blocks (by the start of their first line) a test executes."""
-
-    def decorate(test):
-        for prefix in prefixes:
-            assert prefix not in _DECLARED, f"{prefix!r} is declared twice"
-            _DECLARED[prefix] = test.__name__
-
-        @functools.wraps(test)
-        def wrapper(*args, **kwargs):
-            _RAN.clear()
-            result = test(*args, **kwargs)
-            assert list(prefixes) == _RAN, f"{test.__name__} ran {_RAN}, declared {prefixes}"
-            return result
-
-        return wrapper
-
-    return decorate
-
-
-def _run(prefix: str, namespace: dict) -> None:
-    """Execute the one README block whose first line starts with ``prefix``."""
-    matches = _matching(prefix)
-    assert len(matches) == 1, f"expected one README block starting with {prefix!r}"
-    _RAN.append(prefix)
-    exec(compile(matches[0], f"README.md block {prefix!r}", "exec"), namespace)
+PAGE = MarkdownBlocks(README, "README.md")
+runs, _run, _matching, _python_blocks = PAGE.runs, PAGE.run, PAGE.matching, PAGE.blocks
+_first_line = first_line
+_DECLARED, _RAN = PAGE.declared, PAGE.ran
 
 
 TOUR = "import torch, torch.nn as nn, torch.nn.functional as F"

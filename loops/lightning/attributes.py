@@ -18,6 +18,20 @@ from torch import nn
 __all__ = ["AttributeWatch"]
 
 _INTERNAL: dict[type, frozenset[str]] = {}
+#: What the adapter attaches to a module for a run (its log, its trainer, manual mode's API).
+_ATTACHED = frozenset(
+    {
+        "log",
+        "log_dict",
+        "_trainer",
+        "optimizers",
+        "manual_backward",
+        "toggle_optimizer",
+        "untoggle_optimizer",
+        "clip_gradients",
+        "lr_schedulers",
+    }
+)
 
 
 def _internal_names(base: type) -> frozenset[str]:
@@ -26,7 +40,7 @@ def _internal_names(base: type) -> frozenset[str]:
     user's, and watched."""
     found = _INTERNAL.get(base)
     if found is None:
-        found = _INTERNAL[base] = frozenset(base().__dict__) | {"log", "log_dict", "_trainer"}
+        found = _INTERNAL[base] = frozenset(base().__dict__) | _ATTACHED
     return found
 
 

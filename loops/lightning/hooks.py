@@ -52,14 +52,8 @@ _add("on_before_optimizer_step", "train", lambda ctx: (None,))  # the optimizer:
 _add("on_fit_start", "train")
 _add("on_fit_end", "train")
 _add("on_train_batch_start", "train", lambda ctx: (ctx.batch, ctx.batch_idx))
-_add("on_train_batch_end", "train", lambda ctx: (_outputs(ctx), ctx.batch, ctx.batch_idx))
-
-
-def _outputs(ctx: Any) -> Any:
-    """The training step's outputs as Lightning hands them to ``on_train_batch_end``: a
-    dict with the (detached) loss."""
-    loss = getattr(ctx.outputs, "loss", None)
-    return {"loss": loss} if loss is not None else ctx.outputs
+# the first argument of the batch-end hooks, outputs, is replaced by what the step returned
+_add("on_train_batch_end", "train", lambda ctx: (ctx.outputs, ctx.batch, ctx.batch_idx))
 
 
 def several_loaders(ctx: Any) -> bool:

@@ -133,16 +133,21 @@ class LogBuffer:
     def __init__(self) -> None:
         self.hook: str | None = None
         self._batch: Any = None
+        self._outer: list[tuple] = []  # the hooks a nested one runs inside (manual opt.step)
         self._values: dict[str, Logged | torch.Tensor] = {}
 
     def open(self, hook: str, batch: Any = None) -> None:
         """Start recording for ``hook``; ``batch`` gives the default ``batch_size``."""
+        if self.hook is not None:  # a hook inside a step (manual mode's optimizer step)
+            self._outer.append((self.hook, self._values, self._batch))
         self.hook, self._values, self._batch = hook, {}, batch
 
     def take(self) -> dict[str, Logged | torch.Tensor]:
         """What was logged since ``open``: ``Logged`` values, or plain tensors where the
         loop's defaults for the name are Lightning's (``train_*`` per step)."""
         values, self._values, self.hook = self._values, {}, None
+        if self._outer:
+            self.hook, self._values, self._batch = self._outer.pop()
         return values
 
     def log(

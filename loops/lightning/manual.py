@@ -29,6 +29,7 @@ from torch import nn
 
 from purestep.engine import rng
 from purestep.engine.bind import Binder
+from purestep.engine.step import check_unchanged
 
 from .logging import batch_size_of
 
@@ -36,6 +37,10 @@ __all__ = ["LightningOptimizer", "ManualRun"]
 
 #: The fold-in purpose of a manual training step's random key.
 MANUAL_PURPOSE = 102
+#: Where gradients that no ``zero_grad`` cleared wait for the next batch, in
+#: ``TrainState.extra`` (accumulating over batches is Lightning's manual way; a checkpoint
+#: between them keeps them, so a resumed run accumulates the same).
+GRADS_KEY = "lightning_manual_grads"
 
 
 class LightningOptimizer:
@@ -89,7 +94,7 @@ class ManualRun:
             LightningOptimizer(self, name, i, optimizers[i] if i < len(optimizers) else None)
             for i, name in enumerate(self.names)
         ]
-        self.grads: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = dict(handle.state.extra.get(GRADS_KEY, {}))
         self.frozen: set[str] = set()  # toggle_optimizer: names that do not require grad
         self._toggled: set[str] | None = None
         self._bound: Any = None
@@ -143,11 +148,15 @@ class ManualRun:
         }
         saved = {k: self.module.__dict__.get(k) for k in attached}
         self.module.__dict__.update(attached)
+        given = state.params
+        versions = [p._version for p in given.values()]
         try:
             self._bind()
             with rng.scope(key):
                 out = training_step()
             buffers = self.binder.collect_buffers()
+            # the first leaves share the given state's storage: it must be as it was
+            check_unchanged(given, versions, {}, [], where="training_step")
         finally:
             self._unbind()
             for k, v in saved.items():
@@ -155,10 +164,13 @@ class ManualRun:
                     self.module.__dict__.pop(k, None)
                 else:
                     self.module.__dict__[k] = v
+        extra = {k: v for k, v in self.handle.state.extra.items() if k != GRADS_KEY}
+        if self.grads:
+            extra[GRADS_KEY] = {n: g.detach() for n, g in self.grads.items()}
+        changes: dict[str, Any] = {"extra": extra}
         if buffers:
-            self.handle.state = self.handle.state.replace(
-                buffers={n: b.detach() for n, b in buffers.items()}
-            )
+            changes["buffers"] = {n: b.detach() for n, b in buffers.items()}
+        self.handle.state = self.handle.state.replace(**changes)
         return out
 
     # ------------------------------------------------------------------ Lightning's API
@@ -200,6 +212,8 @@ class ManualRun:
     def step(self, index: int) -> None:
         names = self.param_names[index]
         grads = {n: self.grads[n].clone() for n in names if n in self.grads}
+        if not grads:  # torch's step skips parameters without a gradient: all of them here
+            return
         loss = self.losses[-1] if self.losses else None
         self._unbind_keep_buffers()
         self.handle.apply_gradients(index, grads, loss=loss, batch_size=batch_size_of(self.batch))

@@ -30,6 +30,7 @@ from torch import nn
 from purestep.engine import checkpoint as ck
 from purestep.engine import metrics as M
 from purestep.engine.bind import Binder
+from purestep.engine.step import check_unchanged
 
 from ..aggregate import Logged
 from ..events import NOTHING, Requests
@@ -97,6 +98,7 @@ class LightningTask(Task):
         self.module.trainer = self.view
         self.module.__dict__["log"] = self.logs.log
         self.module.__dict__["log_dict"] = self.logs.log_dict
+        self.metrics = metric_states.register(self.module)  # this module's, not another's
         self.attributes.accept()
 
     def detach(self) -> None:
@@ -163,6 +165,7 @@ class LightningTask(Task):
         out, logged = self._run_step(
             "training_step", batch, lambda: apply.training_step(batch, self._batch_idx)
         )
+        self._last_output = _as_outputs(out)
         if isinstance(out, dict):
             if "loss" not in out:
                 raise ValueError(
@@ -200,7 +203,8 @@ class LightningTask(Task):
         args = (batch, self._batch_idx)
         if self._several_loaders and hooks.accepts(method, 3):
             args = (*args, self._dataloader_idx)
-        _, logged = self._run_step(hook, batch, lambda: method(*args))
+        out, logged = self._run_step(hook, batch, lambda: method(*args))
+        self._last_output = _as_outputs(out, loss=False)
         return dict(logged)
 
     def validation_step(self, apply: nn.Module, batch: Any) -> dict[str, Any]:
@@ -215,10 +219,12 @@ class LightningTask(Task):
         if self._several_loaders and hooks.accepts(method, 3):
             args = (*args, self._dataloader_idx)
         out, _ = self._run_step("predict_step", batch, lambda: method(*args))
+        self._last_output = _as_outputs(out, loss=False)
         return out
 
     _several_loaders = False
     _dataloader_idx = 0
+    _last_output: Any = None  # what the last step returned (the batch-end hooks' outputs)
 
     # ------------------------------------------------------------------ configuration
 
@@ -281,7 +287,9 @@ class LightningTask(Task):
                 if name in named:
                     named[name].grad = grad
                     touched.append(named[name])
-            optimizer = self.torch_optimizers[0] if self.torch_optimizers else None
+            index = ctx.extra.get("optimizer_idx", 0) if ctx.extra else 0
+            optimizers = self.torch_optimizers
+            optimizer = optimizers[index] if index < len(optimizers) else None
             self.module.on_before_optimizer_step(optimizer)
         finally:
             for tensor in touched:
@@ -314,6 +322,7 @@ class LightningTask(Task):
             if not user:
                 return own, NOTHING
             state = ctx.state
+            versions = _versions(state)
             self.logs.open(hook, ctx.batch)
             try:
                 with (
@@ -323,9 +332,13 @@ class LightningTask(Task):
                     if event == "on_before_optimizer_step":
                         self._before_optimizer_step(ctx)
                     else:
-                        getattr(self.module, hook)(*args(ctx))
+                        call = args(ctx)
+                        if event.endswith("_batch_end"):  # what the step returned
+                            call = (self._last_output, *call[1:])
+                        getattr(self.module, hook)(*call)
             finally:
                 logged = self.logs.take()
+            _check_versions(state, versions, hook)
             self.attributes.check(hook)
             stop = self.view is not None and self.view.take_stop()
             values = {n: e.value if isinstance(e, Logged) else e for n, e in logged.items()}
@@ -367,6 +380,35 @@ def _torch_optimizers(output: Any) -> list[Any]:
         else output
     )
     return found
+
+
+def _as_outputs(out: Any, loss: bool = True) -> Any:
+    """A step's return value as Lightning hands it to the batch-end hooks: detached, and a
+    training step's bare loss as ``{"loss": loss}``."""
+    if isinstance(out, torch.Tensor):
+        out = out.detach()
+        return {"loss": out} if loss else out
+    if isinstance(out, dict):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    return out
+
+
+def _versions(state: Any) -> tuple[list[int], list[int]]:
+    return [p._version for p in state.params.values()], [b._version for b in state.buffers.values()]
+
+
+def _check_versions(state: Any, versions: tuple[list[int], list[int]], hook: str) -> None:
+    """A hook runs on the module bound to the state's own tensors: writing them in place
+    (``p.clamp_()``, a train-mode forward updating BatchNorm statistics) would change a state
+    the loop and its checkpoints hold. Refused, as the steps refuse it."""
+    try:
+        check_unchanged(state.params, versions[0], state.buffers, versions[1], where=hook)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"{hook} wrote the module's parameters or buffers in place: {err}. Under "
+            "purestep.Trainer the weights change only through the optimizer (a clamp after "
+            "each update belongs in the optimizer: engine.optim transforms compose)"
+        ) from None
 
 
 def _plain(value: Any) -> Any:

@@ -17,7 +17,7 @@ __all__ = ["find_attr", "get_attr", "has_attr", "set_attr"]
 def _holders(name: str, owners: tuple[Any, ...]) -> list[tuple[Any, bool]]:
     """``(holder, is_mapping)`` for every place holding ``name``, in lookup order."""
     found: list[tuple[Any, bool]] = []
-    for owner in owners:
+    for owner in _expanded(owners):
         if owner is None:
             continue
         if name != "hparams" and hasattr(owner, name) and not callable(getattr(owner, name)):
@@ -26,6 +26,19 @@ def _holders(name: str, owners: tuple[Any, ...]) -> list[tuple[Any, bool]]:
         if isinstance(hparams, Mapping) and name in hparams:
             found.append((hparams, True))
     return found
+
+
+def _expanded(owners: tuple[Any, ...]) -> list[Any]:
+    """The owners, with a Lightning-style module's task standing also for its module (its
+    ``self.learning_rate`` and ``self.hparams`` are where Lightning's tuner writes)."""
+    from ..lightning import LightningTask
+
+    out = []
+    for owner in owners:
+        if isinstance(owner, LightningTask):
+            out.append(owner.module)
+        out.append(owner)
+    return out
 
 
 def has_attr(name: str, *owners: Any) -> bool:

@@ -110,6 +110,7 @@ def scale_batch_size(
 
     Returns the size settled on (None with ``fast_dev_run``, which skips the search).
     """
+    from .. import lightning
     from ..task import Task
     from ..trainer_run import printer
 
@@ -118,6 +119,7 @@ def scale_batch_size(
     if trainer.config.fast_dev_run:
         say("Skipping batch size scaler since `fast_dev_run` is enabled.")
         return None
+    model = lightning.adapt(model, trainer)  # a Lightning-style module: its LightningTask
     if not isinstance(model, Task):
         raise TypeError(
             "scale_batch_size needs a Task (the batch size is one of its attributes, its "

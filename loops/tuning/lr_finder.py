@@ -350,6 +350,7 @@ def lr_find(
     ``learning_rate``, on the task or in its hparams) to the suggestion. Returns None with
     ``fast_dev_run`` (as Lightning, the sweep is skipped).
     """
+    from .. import lightning
     from ..trainer_fit import fit_task
     from ..trainer_run import printer
 
@@ -358,6 +359,7 @@ def lr_find(
     if trainer.config.fast_dev_run:
         say("Skipping learning rate finder since `fast_dev_run` is enabled.")
         return None
+    model = lightning.adapt(model, trainer)  # a Lightning-style module: its LightningTask
     task = fit_task(model, loss_fn, optimizer)
     if update_attr:
         if attr_name and not attrs.has_attr(attr_name, task):
