@@ -1,25 +1,88 @@
-"""The functional core of purestep: state pytrees, keys, optimizers and pure step functions."""
+"""The functional core of purestep: state pytrees, keys, optimizers and pure step functions.
 
-from . import checkpoint, compile, metrics, optim, per_sample, rng, tree
-from .bind import Binder, canonical_names
-from .export import to_module
-from .loss_scale import DynamicLossScale, LossScaleState
-from .per_sample import PerSampleStep, per_sample_step
-from .state import Progress, TrainState, init, materialize, trainable_names
-from .step import (
-    EvalStep,
-    Gradients,
-    PredictStep,
-    StepOutput,
-    TrainStep,
-    batch_size,
-    eval_step,
-    owned_gradients,
-    predict_step,
-    train_step,
-)
-from .strategy import Local, Precision, Strategy
-from .tree import field, struct
+Every name is imported on first use, as in ``purestep.loops``: ``import purestep.engine``
+loads nothing else, and a DataLoader worker, a DDP rank or the command line's ``--help``
+pays for the modules it touches (``purestep.engine.state``, say), not for the compiler's,
+the checkpoints' and the metrics' as well. ``from purestep.engine import train_step`` and
+``purestep.engine.optim`` work as they did with eager imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from . import checkpoint, compile, metrics, optim, per_sample, rng, tree
+    from .bind import Binder, canonical_names
+    from .export import to_module
+    from .loss_scale import DynamicLossScale, LossScaleState
+    from .per_sample import PerSampleStep, per_sample_step
+    from .state import Progress, TrainState, init, materialize, trainable_names
+    from .step import (
+        EvalStep,
+        Gradients,
+        PredictStep,
+        StepOutput,
+        TrainStep,
+        batch_size,
+        eval_step,
+        owned_gradients,
+        predict_step,
+        train_step,
+    )
+    from .strategy import Local, Precision, Strategy
+    from .tree import field, struct
+
+#: Where each name lives: ``name -> (module, attribute)``, the module itself when the
+#: attribute is None.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    # the subpackages and modules named in __all__, and the others an eager import bound
+    **{
+        name: (f".{name}", None)
+        for name in (
+            "bind",
+            "checkpoint",
+            "compile",
+            "export",
+            "loss_scale",
+            "metrics",
+            "optim",
+            "per_sample",
+            "rng",
+            "state",
+            "step",
+            "strategy",
+            "tree",
+            "user_errors",
+        )
+    },
+    **{n: (".bind", n) for n in ("Binder", "canonical_names")},
+    "to_module": (".export", "to_module"),
+    **{n: (".loss_scale", n) for n in ("DynamicLossScale", "LossScaleState")},
+    **{n: (".per_sample", n) for n in ("PerSampleStep", "per_sample_step")},
+    **{
+        n: (".state", n)
+        for n in ("Progress", "TrainState", "init", "materialize", "trainable_names")
+    },
+    **{
+        n: (".step", n)
+        for n in (
+            "EvalStep",
+            "Gradients",
+            "PredictStep",
+            "StepOutput",
+            "TrainStep",
+            "batch_size",
+            "eval_step",
+            "owned_gradients",
+            "predict_step",
+            "train_step",
+        )
+    },
+    **{n: (".strategy", n) for n in ("Local", "Precision", "Strategy")},
+    **{n: (".tree", n) for n in ("field", "struct")},
+}
 
 __all__ = [
     "Binder",
@@ -57,3 +120,17 @@ __all__ = [
     "trainable_names",
     "tree",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -213,8 +213,7 @@ class CLI:
 
     def _add_arguments(self, parser: Any, subcommand: str | None) -> None:
         jsonargparse = _jsonargparse()
-        from .callbacks import Callback, ProgressBarBase
-        from .loggers import Logger
+        Callback, ProgressBarBase, Logger = _plugin_bases()
 
         parser.add_argument(
             "-c", "--config", action=jsonargparse.ActionConfigFile, help="A YAML config file."
@@ -364,6 +363,20 @@ class CLI:
             f.write(text)
         self._saved = path
         return path
+
+
+def _plugin_bases() -> tuple[type, type, type]:
+    """``(Callback, ProgressBarBase, Logger)``, with every built-in callback and logger
+    imported: jsonargparse knows a base's subclasses by the classes imported so far, and
+    lists them in ``--help`` and resolves a bare class name (``class_path: CSVLogger``)
+    among them. (The packages import their modules lazily, so ``import purestep.loops``
+    alone does not.)"""
+    from . import callbacks, loggers
+
+    for package in (callbacks, loggers):
+        for name in package.__all__:
+            getattr(package, name)
+    return callbacks.Callback, callbacks.ProgressBarBase, loggers.Logger
 
 
 def _chosen_subcommand(args: Sequence[str]) -> str | None:

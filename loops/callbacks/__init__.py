@@ -9,22 +9,71 @@ their averages in their state (checkpointed with the run).
 ``ThroughputMonitor`` and ``DeviceStatsMonitor``
 read clocks and devices, so they are observers too (``loops.profiling.Monitor``) that log
 their measurements through the loggers; the Trainer takes them in ``callbacks=[...]``.
+
+Every name is imported on first use (as in ``purestep.loops``): ``from
+purestep.loops.callbacks import EarlyStopping`` loads ``early_stopping`` (and what it
+needs), not the averaging, profiling and prediction-writing callbacks as well.
 """
 
-from .base import Callback, init_states
-from .checkpoint import ModelCheckpoint
-from .device_stats import DeviceStatsMonitor
-from .early_stopping import EarlyStopping, StoppingReason
-from .ema import EMA
-from .lambda_callback import LambdaCallback
-from .lr_monitor import Injected, LearningRateMonitor, find_hyperparams, should_log_step
-from .model_summary import LayerSummary, ModelSummary, Totals, layer_summaries, summarize, totals
-from .prediction_writer import PredictionWriter, merge_predictions
-from .progress_bar import ProgressBar, ProgressBarBase
-from .rich_progress import RichProgressBar
-from .swa import StochasticWeightAveraging
-from .throughput import Throughput, ThroughputMonitor
-from .timer import Timer, parse_duration
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from .base import Callback, init_states
+    from .checkpoint import ModelCheckpoint
+    from .device_stats import DeviceStatsMonitor
+    from .early_stopping import EarlyStopping, StoppingReason
+    from .ema import EMA
+    from .lambda_callback import LambdaCallback
+    from .lr_monitor import Injected, LearningRateMonitor, find_hyperparams, should_log_step
+    from .model_summary import (
+        LayerSummary,
+        ModelSummary,
+        Totals,
+        layer_summaries,
+        summarize,
+        totals,
+    )
+    from .prediction_writer import PredictionWriter, merge_predictions
+    from .progress_bar import ProgressBar, ProgressBarBase
+    from .rich_progress import RichProgressBar
+    from .swa import StochasticWeightAveraging
+    from .throughput import Throughput, ThroughputMonitor
+    from .timer import Timer, parse_duration
+
+#: The module of each name (imported when the name is first looked up).
+_LAZY: dict[str, str] = {
+    "Callback": ".base",
+    "init_states": ".base",
+    "ModelCheckpoint": ".checkpoint",
+    "DeviceStatsMonitor": ".device_stats",
+    "EarlyStopping": ".early_stopping",
+    "StoppingReason": ".early_stopping",
+    "EMA": ".ema",
+    "LambdaCallback": ".lambda_callback",
+    "Injected": ".lr_monitor",
+    "LearningRateMonitor": ".lr_monitor",
+    "find_hyperparams": ".lr_monitor",
+    "should_log_step": ".lr_monitor",
+    "LayerSummary": ".model_summary",
+    "ModelSummary": ".model_summary",
+    "Totals": ".model_summary",
+    "layer_summaries": ".model_summary",
+    "summarize": ".model_summary",
+    "totals": ".model_summary",
+    "PredictionWriter": ".prediction_writer",
+    "merge_predictions": ".prediction_writer",
+    "ProgressBar": ".progress_bar",
+    "ProgressBarBase": ".progress_bar",
+    "RichProgressBar": ".rich_progress",
+    "StochasticWeightAveraging": ".swa",
+    "Throughput": ".throughput",
+    "ThroughputMonitor": ".throughput",
+    "Timer": ".timer",
+    "parse_duration": ".timer",
+}
 
 __all__ = [
     "Callback",
@@ -56,3 +105,16 @@ __all__ = [
     "summarize",
     "totals",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name], __name__)
+    value = getattr(module, name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

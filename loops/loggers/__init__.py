@@ -8,17 +8,46 @@ path, and resume a killed run through ``state()`` / ``restore(state)``. ``MLFlow
 and ``WandbLogger`` log to those services (the extras ``purestep[mlflow]`` and
 ``purestep[wandb]``); their modules import ``mlflow`` / ``wandb`` only when a logger first
 talks to its backend, so importing purestep never imports them.
+
+Every name is imported on first use (as in ``purestep.loops``): ``from
+purestep.loops.loggers import Logger`` or ``CSVLogger`` does not import tensorboardX
+(``TensorBoardLogger`` and ``LoggerCollection``, which builds the default one, do).
 """
 
-from .base import STATUSES, FolderLogger, Logger
-from .collection import LoggerCollection, create_loggers
-from .csv import CSVLogger
-from .folders import RunFolder, next_version, run_dir
-from .hparams_yaml import dump_yaml, load_yaml
-from .memory import MemoryLogger
-from .mlflow import MLFlowLogger
-from .tensorboard import TensorBoardLogger
-from .wandb import WandbLogger
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from .base import STATUSES, FolderLogger, Logger
+    from .collection import LoggerCollection, create_loggers
+    from .csv import CSVLogger
+    from .folders import RunFolder, next_version, run_dir
+    from .hparams_yaml import dump_yaml, load_yaml
+    from .memory import MemoryLogger
+    from .mlflow import MLFlowLogger
+    from .tensorboard import TensorBoardLogger
+    from .wandb import WandbLogger
+
+#: The module of each name (imported when the name is first looked up).
+_LAZY: dict[str, str] = {
+    "STATUSES": ".base",
+    "FolderLogger": ".base",
+    "Logger": ".base",
+    "LoggerCollection": ".collection",
+    "create_loggers": ".collection",
+    "CSVLogger": ".csv",
+    "RunFolder": ".folders",
+    "next_version": ".folders",
+    "run_dir": ".folders",
+    "dump_yaml": ".hparams_yaml",
+    "load_yaml": ".hparams_yaml",
+    "MemoryLogger": ".memory",
+    "MLFlowLogger": ".mlflow",
+    "TensorBoardLogger": ".tensorboard",
+    "WandbLogger": ".wandb",
+}
 
 __all__ = [
     "STATUSES",
@@ -37,3 +66,16 @@ __all__ = [
     "next_version",
     "run_dir",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name], __name__)
+    value = getattr(module, name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
