@@ -63,6 +63,7 @@ from .optim import base as optim_base
 from .optim.hyperparams import InjectHyperparamsState
 from .state import TrainState
 from .step import (
+    SKIP_UNSUPPORTED,
     EvalStep,
     Gradients,
     PredictStep,
@@ -641,7 +642,9 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         """Raise the loss function's own error if it fails eagerly too, else a
         ``CompileError`` naming what could not be traced."""
         copies = {n: b.clone() for n, b in buffers.items()}
-        self._grad_autograd(params, copies, batch, key, loss_scale, divisor)
+        _, loss, _, _ = self._grad_autograd(params, copies, batch, key, loss_scale, divisor)
+        if loss is None:  # the loss function skipped its batch: nothing to trace
+            raise ValueError(SKIP_UNSUPPORTED) from None
         from .user_errors import describe_function
 
         if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):

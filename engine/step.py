@@ -123,11 +123,21 @@ class Gradients:
 # ---------------------------------------------------------------------- loss-function outputs
 
 
-def split_output(out: Any, where: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(loss, metrics)`` from what a loss function returned (``where`` names it in errors)."""
+def split_output(out: Any, where: str) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """``(loss, metrics)`` from what a loss function returned (``where`` names it in errors).
+
+    ``None`` (or ``(None, metrics)``) is a loss function skipping its batch, as Lightning's
+    ``training_step`` returning None does: the loss is None (``loss_for_grad`` says where
+    that is not supported)."""
     if isinstance(out, torch.Tensor):
         return out, {}
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+    if out is None:
+        return None, {}
+    if (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and (out[0] is None or isinstance(out[0], torch.Tensor))
+    ):
         metrics = out[1]
         if not isinstance(metrics, dict):
             raise TypeError(f"{where}: the metrics of (loss, metrics) must be a dict")
@@ -156,6 +166,8 @@ def detached(metrics: dict[str, Any]) -> dict[str, Any]:
 def _storage(t: Tensor) -> int:
     """Where ``t``'s storage starts (a DTensor's: its local shard's; it has no storage of its
     own to ask)."""
+    if type(t) is Tensor or type(t) is nn.Parameter:
+        return t.untyped_storage().data_ptr()
     local = getattr(t, "_local_tensor", None)
     return (local if local is not None else t).untyped_storage().data_ptr()
 
@@ -167,7 +179,11 @@ def _unaliased(metrics: dict[str, Any], state: TrainState) -> dict[str, Any]:
     loss function sees the parameters and the batch, never the optimizer state, so only the
     parameters are looked at (a dict: no tree walk over the optimizer state every step).
     Unchanged (the same dict) when nothing is shared, the usual case."""
-    tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
+    values = list(metrics.values())
+    if all(type(v) is Tensor for v in values):  # the usual flat dict: no tree walk
+        tensors = values
+    else:
+        tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
     if not tensors:
         return metrics
     owned = {_storage(t) for t in state.params.values()}
@@ -195,9 +211,20 @@ def batch_size(batch: Any) -> int:
     return 1
 
 
-def loss_for_grad(loss: torch.Tensor, scale: float, divisor: int) -> torch.Tensor:
+#: Why a skipped batch (a loss function returning None) is refused where it is.
+SKIP_UNSUPPORTED = (
+    "the loss function returned None, which skips the batch (Lightning's training_step "
+    "returning None); only the single-process eager step supports that (grad='autograd', "
+    "no compile, no DDP/FSDP, no ensemble, no per-sample gradients): return a loss, or "
+    "filter the batch out of the data"
+)
+
+
+def loss_for_grad(loss: torch.Tensor | None, scale: float, divisor: int) -> torch.Tensor:
     """The tensor to differentiate: ``loss / divisor * scale``, after checking it is a scalar
     that depends on trainable parameters."""
+    if loss is None:
+        raise ValueError(SKIP_UNSUPPORTED)
     if loss.dim() != 0 and loss.numel() != 1:
         raise ValueError(f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
     if not loss.requires_grad:
@@ -561,10 +588,12 @@ class TrainStep:
         grads, loss, metrics, new_buffers = self._gradients(
             state.params, state.buffers, batch, key, loss_scale, divisor
         )
+        if loss is None and strategy.world_size > 1:
+            raise ValueError(SKIP_UNSUPPORTED)
         grads = self._accumulated(state, grads)
         output_type = self._output_type
         if not close:
-            if new_buffers:
+            if new_buffers and loss is not None:
                 new_buffers = _kept_if_nonfinite(loss, new_buffers, state.buffers)
             if strategy.world_size > 1 and new_buffers:
                 new_buffers = strategy.sync_step_buffers(new_buffers)
@@ -572,6 +601,10 @@ class TrainStep:
                 state, grads, new_buffers, output_type(loss, metrics, None, False, False), n
             )
 
+        if not grads:  # every micro-batch of the window skipped: no update (Lightning's)
+            output = output_type(loss, metrics, None, True, True)
+            state = state.replace(buffers=new_buffers)
+            return state, Gradients(grads, True, output, n, None)
         if strategy.world_size > 1:
             grads = strategy.all_reduce(grads, "mean")
         finite = True
@@ -597,10 +630,10 @@ class TrainStep:
         if not grads.ready:
             raise ValueError("these gradients are not ready: the accumulation window is open")
         values = grads.grads
-        norms = self._tensor_norms(values)
+        norms = self._tensor_norms(values) if values else None
         output = grads.output
         buffers = state.buffers
-        if grads.finite:
+        if grads.finite and values:
             if self.donate and output.metrics:
                 output = output.replace(metrics=_unaliased(output.metrics, state))
             skips = skip_count()
@@ -679,10 +712,13 @@ class TrainStep:
         return k, micro, close
 
     def _accumulated(self, state: TrainState, grads: dict[str, Any]) -> dict[str, Any]:
-        """``grads`` added to the open window's sum (in place on it when donating)."""
+        """``grads`` added to the open window's sum (in place on it when donating); a
+        skipped micro-batch (no gradients) adds nothing."""
         acc = state.grad_accum
-        if state.progress.micro_step == 0 or acc is None:
+        if state.progress.micro_step == 0 or not acc:
             return grads
+        if not grads:
+            return acc
         names = list(grads)
         olds = [acc[n] for n in names]
         news = list(grads.values())
@@ -772,8 +808,8 @@ class TrainStep:
         """Raise (through ``_named_grads``) if the loss leaves parameters unused: one
         autograd pass on copies of the buffers, whose results are discarded."""
         copies = {n: b.clone() for n, b in buffers.items()}
-        self._grad_autograd(params, copies, batch, key, loss_scale, divisor)
-        self._probed = True
+        _, loss, _, _ = self._grad_autograd(params, copies, batch, key, loss_scale, divisor)
+        self._probed = loss is not None  # a skipped batch tells nothing: probe the next one
 
     def _grad_autograd(self, params, buffers, batch, key, loss_scale, divisor):
         if self._all_trainable:
@@ -783,6 +819,8 @@ class TrainStep:
             wrt = {n: params[n].detach().requires_grad_() for n in self.trainable}
             bound_params = {**params, **wrt}
         loss, metrics, new_buffers = self._loss_forward(bound_params, buffers, batch, key)
+        if loss is None:  # the loss function skipped the batch: no gradients
+            return {}, None, metrics, new_buffers
         target = loss_for_grad(loss, loss_scale, divisor)
         grads = scalar_gradients(target, tuple(wrt.values()))
         return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers

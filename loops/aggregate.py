@@ -15,6 +15,12 @@ logged as ``train_loss`` per step; to log it otherwise, return it among the metr
 
 The epoch accumulators are ``engine.metrics`` pytrees kept in the training state, so a run
 resumed mid-epoch reports the same epoch averages as one never interrupted.
+
+A value wrapped in ``keep(metric)`` is not reported at all: the loops merge it into the
+state's kept accumulators (in the loop state's ``train_epoch``, beside the training epoch's
+own, whichever stage's step returned it), which outlive epochs and evaluations and which
+callbacks replace or drop with ``Requests(kept=...)``. It is how a step adds lasting state:
+a Lightning-style module's torchmetrics states (``loops.lightning.metric_states``).
 """
 
 from __future__ import annotations
@@ -28,12 +34,17 @@ from purestep.engine import metrics as M
 from purestep.engine.tree import field, struct
 
 __all__ = [
+    "KEPT",
     "Logged",
     "MetricSpec",
     "accumulate",
     "epoch_values",
+    "keep",
+    "kept",
     "log",
     "plain_step_values",
+    "put_kept",
+    "reported",
     "resolve",
     "specs_of",
     "step_values",
@@ -65,6 +76,8 @@ class Logged:
     #: False: the name is logged as given, without the stage's prefix (``self.log`` of a
     #: Lightning-style module names its values itself)
     prefix: bool = field(static=True, default=True)
+    #: True: a kept accumulator, never reported (``keep``)
+    kept: bool = field(static=True, default=False)
 
 
 def log(
@@ -112,10 +125,65 @@ class MetricSpec:
     reduce: str = field(static=True)
     prog_bar: bool = field(static=True)
     logger: bool = field(static=True)
+    kept: bool = field(static=True, default=False)
 
     @property
     def forked(self) -> bool:
         return self.on_step and self.on_epoch
+
+
+#: The spec of every kept value (``keep``): merged per epoch, shown to no one.
+KEPT = MetricSpec(
+    on_step=False, on_epoch=True, reduce="mean", prog_bar=False, logger=False, kept=True
+)
+
+
+def keep(metric: Any) -> Logged:
+    """A step's ``engine.metrics`` value for the loop to keep in the state, unreported: it
+    merges (by its own ``merge``) into the kept accumulator of its name, which lasts across
+    epochs, evaluations and stages until a callback's ``Requests(kept=...)`` replaces or
+    drops it. The name is used as given (no stage prefix)."""
+    return Logged(metric, False, True, "mean", False, False, prefix=False, kept=True)
+
+
+def kept(acc: Mapping[str, Any], specs: Mapping[str, MetricSpec]) -> dict[str, Any]:
+    """The kept accumulators among ``acc`` (see ``keep``)."""
+    return {name: m for name, m in acc.items() if _is_kept(specs, name)}
+
+
+def reported(acc: Mapping[str, Any], specs: Mapping[str, MetricSpec]) -> dict[str, Any]:
+    """The accumulators of ``acc`` that are reported (all but the kept ones)."""
+    if not any(_is_kept(specs, name) for name in acc):
+        return dict(acc)
+    return {name: m for name, m in acc.items() if not _is_kept(specs, name)}
+
+
+def _is_kept(specs: Mapping[str, MetricSpec], name: str) -> bool:
+    spec = specs.get(name)
+    return spec is not None and spec.kept
+
+
+def put_kept(
+    acc: Mapping[str, Any], specs: Mapping[str, MetricSpec], changes: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, MetricSpec]]:
+    """``(acc, specs)`` with the kept accumulators ``changes`` names replaced by its values
+    (``None`` drops one), as a ``Requests(kept=...)`` asks."""
+    acc, specs = dict(acc), dict(specs)
+    for name, value in changes.items():
+        old = specs.get(name)
+        if old is not None and not old.kept:
+            raise ValueError(f"Requests(kept=...) names {name!r}, which is a logged value")
+        if value is None:
+            acc.pop(name, None)
+            continue
+        if not isinstance(value, M.Metric):
+            raise TypeError(
+                f"Requests(kept={{{name!r}: ...}}) takes an engine.metrics metric or None, got "
+                f"{type(value).__name__}"
+            )
+        acc[name] = value
+        specs[name] = KEPT
+    return acc, specs
 
 
 def _full_name(name: str, stage: str) -> str:
@@ -134,9 +202,19 @@ def _spec(name: str, stage: str, opts: Logged | None) -> tuple[str, MetricSpec]:
         name,
         None
         if opts is None
-        else (opts.on_step, opts.on_epoch, opts.reduce, opts.prog_bar, opts.logger, opts.prefix),
+        else (
+            opts.on_step,
+            opts.on_epoch,
+            opts.reduce,
+            opts.prog_bar,
+            opts.logger,
+            opts.prefix,
+            opts.kept,
+        ),
     )
     found = _SPECS.get(key)
+    if found is None and opts is not None and opts.kept:
+        found = _SPECS[key] = (name, KEPT)
     if found is None:
         training = stage == "train"
         on_step = opts.on_step if opts and opts.on_step is not None else training
@@ -312,6 +390,8 @@ def epoch_values(
     callback: dict[str, torch.Tensor] = {}
     for name, metric in acc.items():
         spec = specs[name]
+        if spec.kept:  # state a step keeps, reported to no one
+            continue
         value = metric.compute().detach()
         key = (name + "_epoch" if spec.forked else name) + suffix
         if spec.logger:

@@ -29,9 +29,9 @@ import torch
 from purestep.engine.optim.multi import set_hyperparams
 from purestep.engine.state import TrainState
 
-from . import loop_state
+from . import aggregate, loop_state
 from .callbacks.base import Callback
-from .events import NOTHING, Context, Requests, Stage, dispatch, handlers_for
+from .events import NOTHING, BatchPosition, Context, Requests, Stage, dispatch, handlers_for
 from .profiling import Monitor
 from .profiling import active as _active_profiler
 from .profiling import section as _section
@@ -139,6 +139,10 @@ class Driver:
         # Trainer(inference_mode=...).
         self.inference_mode = inference_mode
         self.stage: str | None = None
+        # The batch the running loop is at (each loop sets it before the batch's start event).
+        self.position: BatchPosition | None = None
+        # Set by an end_epoch request; the training loop ends the epoch and clears it.
+        self.end_epoch = False
         self.status = "initializing"
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
         self._bar_view = types.MappingProxyType(self.progress_bar_metrics)
@@ -335,13 +339,17 @@ class Driver:
                 prof.teardown(self.fn)
 
     def carry_out(self, state: TrainState, requests: Requests) -> TrainState:
-        """Do what callbacks asked: stop, log, change hyper-parameters, queue file work,
-        print."""
+        """Do what callbacks asked: stop, log, change hyper-parameters, replace kept
+        accumulators, queue file work, print."""
         log = requests.log if self.stage != Stage.SANITY_CHECK else {}
         if requests.hyperparams and self.stage != Stage.SANITY_CHECK:
             state = state.replace(opt_state=set_hyperparams(state.opt_state, requests.hyperparams))
         if requests.weights:
             state = _put_weights(state, requests.weights)
+        if requests.kept:
+            loop = loop_state.get(state)
+            acc, specs = aggregate.put_kept(loop.train_epoch, loop.train_specs, requests.kept)
+            state = loop_state.put(state, loop.replace(train_epoch=acc, train_specs=specs))
         if requests.stop or log:
             loop = loop_state.get(state)
             changes: dict[str, Any] = {}
@@ -367,6 +375,13 @@ class Driver:
             )
         for message in requests.messages:
             self.say(message)
+        if requests.end_epoch:
+            if self.stage != Stage.TRAIN:
+                raise ValueError(
+                    "Requests(end_epoch=True) ends a training epoch: ask for it at "
+                    f"on_train_batch_start, not during {self.stage!r}"
+                )
+            self.end_epoch = True
         return state
 
     def say(self, text: str) -> None:

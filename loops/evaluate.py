@@ -27,7 +27,7 @@ from purestep.engine.step import batch_size
 from . import aggregate, loop_state, schedule
 from .data import length
 from .driver import Driver, prepare
-from .events import Stage
+from .events import BatchPosition, Stage
 from .profiling import section
 
 __all__ = ["run_evaluation", "test", "validate"]
@@ -84,6 +84,7 @@ def run_evaluation(
     sanity = stage == Stage.SANITY_CHECK
     epoch = state.progress.epoch if epoch is None else epoch
     previous_stage, driver.stage = driver.stage, stage
+    previous_position = driver.position  # the fit batch an evaluation runs inside
     several = len(sources) > 1
     per_loader: list[dict[str, float]] = []
     prof = driver.profiler
@@ -111,10 +112,13 @@ def run_evaluation(
                 batches = itertools.islice(batches, int(limit))
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
+                driver.position = BatchPosition(batch_idx, i, limit, len(sources), state.progress)
                 state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
                 with driver.evaluation_mode(), section(prof, step_action):
                     out = step(state, batch, index=batch_idx)
                 resolved = aggregate.resolve(out, stage)
+                if any(spec.kept for spec, _ in resolved.values()):
+                    state, resolved = _keep(state, resolved)
                 acc = aggregate.accumulate(acc, resolved, batch_size(batch))
                 specs.update(aggregate.specs_of(resolved))
                 if not sanity:
@@ -157,10 +161,25 @@ def run_evaluation(
         state = driver.fire(f"on_{prefix}_end", state, num_batches=list(max_batches))
     finally:
         driver.stage = previous_stage
+        driver.position = previous_position
         if prof is not None:
             prof.stop(run_action)
     extra = {k: float(v) for k, v in at_epoch_end.items()}
     return state, [{**values, **extra} for values in per_loader]
+
+
+def _keep(state: TrainState, resolved: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
+    """The step's kept values (``aggregate.keep``) merged into the state's kept accumulators
+    at once (the batch-end and epoch-end events see them, and they outlive the evaluation);
+    the rest of ``resolved``, for this evaluation's accumulators."""
+    kept = {name: entry for name, entry in resolved.items() if entry[0].kept}
+    loop = loop_state.get(state)
+    loop = loop.replace(
+        train_epoch=aggregate.accumulate(loop.train_epoch, kept, 0),
+        train_specs={**loop.train_specs, **aggregate.specs_of(kept)},
+    )
+    rest = {name: entry for name, entry in resolved.items() if not entry[0].kept}
+    return loop_state.put(state, loop), rest
 
 
 def evaluate(

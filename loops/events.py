@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from purestep.engine.state import Progress, TrainState
 
@@ -23,6 +23,7 @@ __all__ = [
     "PREDICT_EVENTS",
     "TEST_EVENTS",
     "VALIDATE_EVENTS",
+    "BatchPosition",
     "Context",
     "Requests",
     "Stage",
@@ -97,7 +98,13 @@ class Requests:
     ``engine.optim.set_hyperparams``), which is how schedulers and metric-driven callbacks
     change a learning rate; ``weights``: parameters and/or buffers to put into the training
     state, ``{"params": {name: tensor}, "buffers": {name: tensor}}`` (copied by the driver;
-    how weight-averaging callbacks swap averaged weights in and out).
+    how weight-averaging callbacks swap averaged weights in and out); ``end_epoch``: end
+    the training epoch before its next batch (asked at ``on_train_batch_start``: before
+    this one, Lightning's ``on_train_batch_start`` returning -1); the epoch then ends as
+    usual, without the end-of-epoch validation its last batch would have run, and an open
+    accumulation window is dropped; ``kept``: kept accumulators (``loops.aggregate.keep``)
+    to replace, by name, or to drop (``None``), which is how a Lightning-style module's
+    hooks reset or update its torchmetrics states (the later request wins per name).
     """
 
     stop: bool = False
@@ -109,6 +116,8 @@ class Requests:
     messages: tuple[str, ...] = ()
     hyperparams: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
     weights: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
+    end_epoch: bool = False
+    kept: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
 
     def __or__(self, other: Requests) -> Requests:
         if not other:
@@ -125,6 +134,8 @@ class Requests:
             messages=self.messages + other.messages,
             hyperparams={**self.hyperparams, **other.hyperparams},
             weights=_merged_weights(self.weights, other.weights),
+            end_epoch=self.end_epoch or other.end_epoch,
+            kept={**self.kept, **other.kept},
         )
 
     def __bool__(self) -> bool:
@@ -138,6 +149,8 @@ class Requests:
             or self.messages
             or self.hyperparams
             or self.weights
+            or self.end_epoch
+            or self.kept
         )
 
 
@@ -150,6 +163,23 @@ def _merged_weights(a: Mapping[str, Any], b: Mapping[str, Any]) -> Mapping[str, 
 
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 NOTHING = Requests()
+
+
+class BatchPosition(NamedTuple):
+    """Where a loop is: the batch it is about to process (``Driver.position``).
+
+    Every loop sets it before a batch's start event, so code that runs inside a step (a
+    Lightning-style ``training_step(batch, batch_idx)``) can read its batch index without
+    an event per batch. ``num_batches``: the batches this epoch or this dataloader's
+    evaluation runs; ``loaders``: how many dataloaders the stage runs; ``progress``: the
+    state's counters at the batch's start (what a step reads as the epoch and global step).
+    """
+
+    batch_idx: int
+    dataloader_idx: int
+    num_batches: Any
+    loaders: int
+    progress: Progress
 
 
 @dataclasses.dataclass(frozen=True)

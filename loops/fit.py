@@ -31,7 +31,7 @@ from .callbacks.base import init_states
 from .data import length
 from .driver import Driver, prepare
 from .evaluate import run_evaluation
-from .events import Stage
+from .events import BatchPosition, Stage
 from .interrupts import InterruptGuard
 from .profiling import ProfiledTrainStep, section
 from .schedulers import LRSchedulers
@@ -375,6 +375,7 @@ class FitLoop:
         (Lightning's rule), and must still end exactly like the uninterrupted run."""
         drv = self.driver
         before = self.state.callbacks
+        kept_before = loop_state.get(self.state)  # and the steps' kept accumulators
         drv.stage = Stage.SANITY_CHECK
         self._fire("on_sanity_check_start")
         self._ensure_val(self.state.progress.epoch, sanity=True)
@@ -388,6 +389,7 @@ class FitLoop:
         )
         self._fire("on_sanity_check_end")
         self.state = self.state.replace(callbacks=before)
+        self._record(train_epoch=kept_before.train_epoch, train_specs=kept_before.train_specs)
         drv.stage = None
 
     # ------------------------------------------------------------------ one epoch
@@ -400,7 +402,7 @@ class FitLoop:
             self._request(self.schedulers.epoch_start(self.state))
         if start == 0:
             self._ensure_train(epoch)
-            self._record(train_epoch={})
+            self._record_kept_only()
             self._check_accumulation(epoch)
             self._fire("on_train_epoch_start", num_batches=self.num_train)
         else:
@@ -434,6 +436,8 @@ class FitLoop:
             batch_idx, batch, is_last = item
             with section(drv.profiler, "run_training_batch"):
                 self._batch(batch, batch_idx, is_last, epoch)
+            if drv.end_epoch:  # an end_epoch request: the rest of the epoch is skipped
+                break
             if not is_last:
                 drv.commit(self.state)
         self._epoch_end(epoch)
@@ -447,6 +451,7 @@ class FitLoop:
         samples_before = self.state.progress.samples
         if self.schedulers:
             self._request(self.schedulers.batch_start(self.state))
+        drv.position = BatchPosition(batch_idx, 0, num, 1, self.state.progress)
         if heard_start:
             self.state = drv.fire(
                 "on_train_batch_start",
@@ -455,6 +460,8 @@ class FitLoop:
                 batch_idx=batch_idx,
                 num_batches=num,
             )
+            if drv.end_epoch:
+                return
         close = schedule.is_optimizer_step(batch_idx, self._factor, num, is_last)
         if self._grad_norm_values:
             self._grad_norm_values = {}
@@ -500,7 +507,7 @@ class FitLoop:
 
         samples = state.progress.samples - samples_before  # this batch's
         loop = loop_state.get(state)
-        if not self.log_loss:
+        if not self.log_loss or out.loss is None:  # None: the step skipped its batch
             values = out.metrics
         elif out.metrics:
             values = {"loss": out.loss, **out.metrics}
@@ -594,8 +601,8 @@ class FitLoop:
         p = self.state.progress
         return f"epoch {p.epoch}, batch {self._batch_idx}, global step {p.step}"
 
-    def _check_finite_loss(self, loss: torch.Tensor) -> None:
-        if not bool(torch.isfinite(loss).all()):
+    def _check_finite_loss(self, loss: torch.Tensor | None) -> None:
+        if loss is not None and not bool(torch.isfinite(loss).all()):
             raise NonFiniteLossError(
                 f"terminate_on_nan: the loss returned by the training step is {loss.item()} "
                 f"({self._where()}); training stopped before the optimizer update, so the "
@@ -606,6 +613,8 @@ class FitLoop:
         """``track_grad_norm``'s norms of the gradients the optimizer is about to use and
         ``terminate_on_nan``'s check of them (before the update)."""
         values = grads.grads
+        if not values:  # a skipped batch: no gradients to look at
+            return
         names = list(values)
         tensors = list(values.values())
         # A float16 overflow (``grads.finite`` False) is the loss scaler's routine: the
@@ -668,6 +677,12 @@ class FitLoop:
             if agreed != loop.should_stop:
                 self._record(should_stop=agreed)
 
+    def _record_kept_only(self) -> None:
+        """A new training epoch's accumulators: none, but the kept ones (``aggregate.keep``:
+        state the steps keep across epochs)."""
+        loop = loop_state.get(self.state)
+        self._record(train_epoch=aggregate.kept(loop.train_epoch, loop.train_specs))
+
     def _validate(self, epoch: int) -> None:
         self._ensure_val(epoch)
         self.state, _ = run_evaluation(
@@ -682,7 +697,7 @@ class FitLoop:
     def _epoch_end(self, epoch: int) -> None:
         drv = self.driver
         loop = loop_state.get(self.state)
-        accumulated = loop.train_epoch
+        accumulated = aggregate.reported(loop.train_epoch, loop.train_specs)
         if drv.world_size > 1:  # epoch values cover every process's batches
             accumulated = drv.strategy.sync_metrics(accumulated)
         to_log, bar, to_callbacks = aggregate.epoch_values(accumulated, loop.train_specs)
@@ -709,8 +724,9 @@ class FitLoop:
             progress=p.replace(epoch=p.epoch + 1, batch_in_epoch=0, micro_step=0),
             grad_accum=self.state.grad_accum if keep else None,
         )
-        self._record(train_epoch={})
+        self._record_kept_only()
         drv.logger_step = self.state.progress.step
+        drv.end_epoch = False  # a request to end this epoch is done with
         drv.commit(self.state)
 
 

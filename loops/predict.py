@@ -19,7 +19,7 @@ from purestep.engine.tree import map as tree_map
 from . import schedule
 from .data import length
 from .driver import Driver, prepare
-from .events import Stage
+from .events import BatchPosition, Stage
 from .profiling import section
 
 __all__ = ["predict", "run_prediction"]
@@ -94,6 +94,7 @@ def run_prediction(
     if schedule.evaluation_skipped(max_batches):
         return state, [[] for _ in sources]
     previous_stage, driver.stage = driver.stage, Stage.PREDICT
+    previous_position = driver.position  # the fit batch an evaluation runs inside
     # prediction writers name each batch's samples from the sources' order
     driver.extra["predict_sources"] = list(sources)
     outputs: list[list[Any]] = []
@@ -112,6 +113,7 @@ def run_prediction(
                 batches = itertools.islice(batches, int(limit))
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
+                driver.position = BatchPosition(batch_idx, i, limit, len(sources), state.progress)
                 state = driver.fire("on_predict_batch_start", state, num_batches=limit, **fields)
                 with driver.evaluation_mode(), section(prof, "predict_step"):
                     out = _predict(step, state, batch, batch_idx)
@@ -132,6 +134,7 @@ def run_prediction(
         state = driver.fire("on_predict_end", state, num_batches=list(max_batches))
     finally:
         driver.stage = previous_stage
+        driver.position = previous_position
         if prof is not None:
             prof.stop("run_predict")
     return state, outputs

@@ -48,6 +48,7 @@ a task from them.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -63,6 +64,8 @@ from .events import EVENTS
 __all__ = [
     "DataModule",
     "Task",
+    "datamodule_base",
+    "is_datamodule",
     "restore_callback_data",
     "restore_task_data",
     "saved_data",
@@ -367,6 +370,33 @@ class DataModule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (a run starting from a checkpoint)."""
+
+
+def _lightning_datamodule_bases() -> tuple[type, ...]:
+    """The real ``LightningDataModule`` classes already imported (a subclass of one can only
+    exist then), so purestep never imports ``lightning`` itself."""
+    found = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "LightningDataModule"):
+            found.append(module.LightningDataModule)
+    return tuple(found)
+
+
+def is_datamodule(obj: Any) -> bool:
+    """Whether ``obj`` is a data module: a ``DataModule`` or a subclass instance of the real
+    ``lightning.pytorch.LightningDataModule`` (the same hooks: ``prepare_data``,
+    ``setup(stage)``, the ``*_dataloader`` methods, ``state_dict`` / ``load_state_dict``,
+    ``teardown(stage)``)."""
+    return isinstance(obj, (DataModule, *_lightning_datamodule_bases()))
+
+
+def datamodule_base(obj: Any) -> type:
+    """The data-module class ``obj`` derives from (its methods are the defaults)."""
+    for base in _lightning_datamodule_bases():
+        if isinstance(obj, base):
+            return base
+    return DataModule
 
 
 # ---------------------------------------------------------------------- checkpoint data

@@ -8,6 +8,7 @@ Nothing here runs per batch: sources are built once per run (or per reload).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +18,11 @@ from purestep.engine.state import TrainState
 from . import schedule
 from .data import Batches, as_list, combine, source
 from .data.source import is_tensor_tuple
-from .task import DataModule
+from .task import DataModule, datamodule_base, is_datamodule
 
 __all__ = [
     "TRAIN_MODES",
+    "attach_datamodule",
     "check_fit_data",
     "data_for",
     "data_seed",
@@ -39,8 +41,9 @@ TRAIN_MODES = ("max_size_cycle", "min_size", "max_size")
 
 
 def overrides(obj: Any, method: str) -> bool:
-    """Whether a ``DataModule`` defines ``method`` itself (e.g. ``val_dataloader``)."""
-    return getattr(type(obj), method, None) is not getattr(DataModule, method)
+    """Whether a data module defines ``method`` itself (e.g. ``val_dataloader``), not its
+    base class (``DataModule``, or Lightning's, whose defaults raise or do nothing)."""
+    return getattr(type(obj), method, None) is not getattr(datamodule_base(obj), method, None)
 
 
 def task_defines(task: Any, method: str) -> bool:
@@ -113,6 +116,31 @@ def _per_node(owner: Any, trainer_flag: bool) -> bool:
     return own
 
 
+#: A LightningDataModule's hooks the Trainer does not call (batches are placed by the
+#: strategy; there is no transfer step to hook into).
+_NOT_CALLED = ("transfer_batch_to_device", "on_before_batch_transfer", "on_after_batch_transfer")
+
+
+def attach_datamodule(trainer: Any, datamodule: Any) -> None:
+    """A ``LightningDataModule`` gets ``self.trainer`` as Lightning sets it (a read-only view
+    of the run, as a LightningModule's), and overridden hooks this Trainer never calls are
+    reported once; a purestep ``DataModule`` is left as it is."""
+    if datamodule is None or datamodule_base(datamodule) is DataModule:
+        return
+    from .lightning.trainer_view import TrainerView
+
+    datamodule.trainer = TrainerView(trainer)
+    ignored = [h for h in _NOT_CALLED if overrides(datamodule, h)]
+    if ignored:
+        warnings.warn(
+            f"{type(datamodule).__name__} overrides {ignored}, which purestep.Trainer does not "
+            "call (the strategy places each batch): do that work in the dataset, the "
+            "collate function or the step",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def prepare_data(trainer: Any, task: Any, datamodule: DataModule | None) -> None:
     """Run ``datamodule.prepare_data()`` (and the task's, if it has one) where it belongs,
     then let every rank go on together.
@@ -160,7 +188,7 @@ def eval_arguments(
 ) -> tuple[Any, DataModule | None]:
     """``(dataloaders, datamodule)`` of ``validate`` / ``test`` / ``predict`` (``name``) as
     Lightning reads them: a ``DataModule`` passed as the dataloaders is the datamodule."""
-    if not isinstance(dataloaders, DataModule):
+    if not is_datamodule(dataloaders):
         return dataloaders, datamodule
     if datamodule is not None:
         raise TypeError(
@@ -184,6 +212,7 @@ def data_for(
     ``<getter>()`` (None when nobody defines one)."""
     if datamodule is not None and dataloaders is not None:
         raise TypeError("pass either dataloaders or a datamodule, not both")
+    attach_datamodule(trainer, datamodule)
     prepare_data(trainer, task, datamodule)
     if datamodule is not None:
         datamodule.setup(name)
@@ -218,8 +247,11 @@ class AheadOfTime:
 def check_fit_data(train: Any, val: Any, datamodule: DataModule | None, task: Any = None) -> bool:
     """Refuse fit data that cannot train; return whether there is validation data (passed,
     the DataModule's or the Task's own ``val_dataloader``)."""
-    if datamodule is not None and not isinstance(datamodule, DataModule):
-        raise TypeError(f"datamodule must be a DataModule, got {type(datamodule).__name__}")
+    if datamodule is not None and not is_datamodule(datamodule):
+        raise TypeError(
+            "datamodule must be a DataModule (purestep's or a LightningDataModule), got "
+            f"{type(datamodule).__name__}"
+        )
     if datamodule is not None and (train is not None or val is not None):
         raise TypeError("pass either dataloaders or a datamodule, not both")
     if loader_source(train, datamodule, task, "train_dataloader") is None:

@@ -19,9 +19,10 @@ from . import lightning, schedule
 from .fit import FitLoop
 from .optimization import optimization
 from .seeding import resolve_seed
-from .task import DataModule, Task, restore_callback_data, restore_task_data
+from .task import DataModule, Task, is_datamodule, restore_callback_data, restore_task_data
 from .trainer_data import (
     AheadOfTime,
+    attach_datamodule,
     check_fit_data,
     data_seed,
     fit_data,
@@ -44,7 +45,7 @@ _TASK_DATA = (
 def _step_piece(value: Any) -> str | None:
     """What ``value`` is when it is a loss function or an optimizer rather than data:
     ``"an optimizer"``, ``"a loss function"``, else None."""
-    if value is None or isinstance(value, DataModule):
+    if value is None or is_datamodule(value):
         return None
     if isinstance(value, (GradientTransformation, torch.optim.Optimizer)) or (
         hasattr(value, "init") and hasattr(value, "update")
@@ -80,7 +81,7 @@ def fit_arguments(
                 "train_dataloaders=/val_dataloaders=; " + _TASK_DATA
             )
         loss_fn, optimizer, train, val = None, None, loss_fn, optimizer
-    if isinstance(train, DataModule):
+    if is_datamodule(train):
         if datamodule is not None:
             raise TypeError(
                 f"fit got two DataModules, {type(train).__name__} in place of the train "
@@ -105,7 +106,7 @@ def fit_task(model: Any, loss_fn: Any, optimizer: Any) -> Task:
             )
         return model
     if isinstance(model, nn.Module):
-        if isinstance(loss_fn, DataModule) or isinstance(optimizer, DataModule):
+        if is_datamodule(loss_fn) or is_datamodule(optimizer):
             raise TypeError(
                 "fit(model, loss_fn, optimizer, ...): a plain nn.Module needs a loss function "
                 "and an optimizer before its data; pass the DataModule after them or as "
@@ -162,6 +163,7 @@ def fit(
     has_val_data = check_fit_data(train_dataloaders, val_dataloaders, datamodule, task)
     trainer._task = task
     trainer._loop = None
+    attach_datamodule(trainer, datamodule)
     prepare_data(trainer, task, datamodule)
     if datamodule is not None:
         datamodule.setup("fit")

@@ -1,6 +1,8 @@
 """torchmetrics states of a Lightning-style module under DDP: each rank updates its shard's
 states, the epoch value merges both ranks' states with each state's ``dist_reduce_fx``, and
-equals torchmetrics over the whole data set on one process. 2 gloo ranks, about 10 s."""
+equals torchmetrics over the whole data set on one process; so does ``compute()`` in an
+epoch hook of a metric the steps update without logging (tests/test_lightning_metric_hooks.py
+has the rest). 2 gloo ranks, about 10 s."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from purestep import hardware
-from tests.lightning_models import QUIET, metrics_class, tensors
+from tests.lightning_models import QUIET, hook_metrics_class, metrics_class, tensors
 
 pytest.importorskip("torchmetrics")
 pytestmark = pytest.mark.timeout(180)
@@ -34,10 +36,22 @@ def _rank_main(rank: int) -> dict:
         DataLoader(TensorDataset(x, y), batch_size=6),
         DataLoader(_val(), batch_size=8),
     )
+    # metrics updated in the steps, computed and reset in the epoch hooks
+    hooked = hook_metrics_class("purestep")()
+    hook_trainer = purestep.Trainer(
+        max_epochs=1, strategy=hardware.ddp(), num_sanity_val_steps=0, **QUIET
+    )
+    hook_trainer.fit(
+        hooked,
+        DataLoader(TensorDataset(x, y), batch_size=6),
+        DataLoader(_val(), batch_size=8),
+    )
     return {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "val_acc": trainer.callback_metrics["val_acc"].clone(),
         "val_f1": trainer.callback_metrics["val_f1"].clone(),
+        "hooked": {k: v.detach().clone() for k, v in hooked.state_dict().items()},
+        "hook_values": {k: v.clone() for k, v in hook_trainer.callback_metrics.items()},
     }
 
 
@@ -60,3 +74,22 @@ def test_epoch_values_merge_both_ranks_states_as_torchmetrics_would():
     # the counts are integers: merged in any order they are exact
     assert torch.equal(first["val_acc"], acc.compute())
     assert torch.equal(first["val_f1"], f1.compute())
+    # compute() in on_validation_epoch_end: both ranks' states, as torchmetrics syncs them
+    assert first["hook_values"].keys() == second["hook_values"].keys()
+    for name, value in first["hook_values"].items():
+        if name not in ("loss", "train_f1_step"):  # per-step values are each rank's own
+            assert torch.equal(value, second["hook_values"][name]), name
+    hooked = hook_metrics_class("purestep")()
+    hooked.load_state_dict(first["hooked"])
+    with torch.no_grad():
+        logits = hooked.net(x)
+    for name, metric in (
+        ("val_acc", torchmetrics.Accuracy(task="multiclass", num_classes=3)),
+        ("val_precision", torchmetrics.Precision(task="multiclass", num_classes=3)),
+        ("val_recall", torchmetrics.Recall(task="multiclass", num_classes=3)),
+    ):
+        metric.update(logits, y)
+        assert torch.equal(first["hook_values"][name], metric.compute()), name
+    mse = torchmetrics.MeanSquaredError()
+    mse.update(logits.softmax(-1)[:, 0], (y == 0).float())  # a float sum: merged in another order
+    assert torch.allclose(first["hook_values"]["val_mse"], mse.compute(), rtol=1e-6, atol=0)

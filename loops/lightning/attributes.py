@@ -67,9 +67,8 @@ class AttributeWatch:
         self.seen = self.fingerprints()
 
     def fingerprints(self) -> dict[str, Any]:
-        return {
-            k: _fingerprint(v) for k, v in self.module.__dict__.items() if k not in self.internal
-        }
+        attributes = self.module.__dict__
+        return {k: _fingerprint(attributes[k]) for k in attributes.keys() - self.internal}
 
     def accept(self) -> None:
         """What the attributes are now is the module's own (after attaching, after a

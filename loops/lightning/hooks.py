@@ -21,12 +21,12 @@ from .module import LightningModule as BaseModule
 __all__ = [
     "DATALOADER_HOOKS",
     "EVENT_HOOKS",
+    "INDEXED_HOOKS",
     "accepts",
     "base_of",
     "check_hooks",
     "is_lightning_module",
     "overrides",
-    "several_loaders",
 ]
 
 DATALOADER_HOOKS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
@@ -56,24 +56,13 @@ _add("on_train_batch_start", "train", lambda ctx: (ctx.batch, ctx.batch_idx))
 _add("on_train_batch_end", "train", lambda ctx: (ctx.outputs, ctx.batch, ctx.batch_idx))
 
 
-def several_loaders(ctx: Any) -> bool:
-    """Whether the evaluation runs several dataloaders (then Lightning passes
-    ``dataloader_idx`` to the batch hooks and steps)."""
-    counts = ctx.num_batches
-    return isinstance(counts, (list, tuple)) and len(counts) > 1
-
-
-def _with_index(ctx: Any, *args: Any) -> tuple:
-    return (*args, ctx.dataloader_idx) if several_loaders(ctx) else args
-
-
+#: The evaluation batch hooks, which also get ``dataloader_idx`` when the stage runs several
+#: dataloaders (as the steps do).
+INDEXED_HOOKS: set[str] = set()
 for _name, _stage in (("validation", "validate"), ("test", "test"), ("predict", "predict")):
-    _add(f"on_{_name}_batch_start", _stage, lambda ctx: _with_index(ctx, ctx.batch, ctx.batch_idx))
-    _add(
-        f"on_{_name}_batch_end",
-        _stage,
-        lambda ctx: _with_index(ctx, ctx.outputs, ctx.batch, ctx.batch_idx),
-    )
+    _add(f"on_{_name}_batch_start", _stage, lambda ctx: (ctx.batch, ctx.batch_idx))
+    _add(f"on_{_name}_batch_end", _stage, lambda ctx: (ctx.outputs, ctx.batch, ctx.batch_idx))
+    INDEXED_HOOKS.update({f"on_{_name}_batch_start", f"on_{_name}_batch_end"})
 
 
 #: The hooks of a module the Trainer calls, with the positional arguments Lightning passes.

@@ -113,6 +113,8 @@ def _value(value: Any, name: str) -> Any:
     if isinstance(value, numbers.Real):
         return torch.tensor(float(value))
     if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value.detach()
         if value.numel() != 1:
             raise ValueError(
                 f"self.log({name!r}, ...): `self.log` takes one-element tensors, got shape "

@@ -38,7 +38,7 @@ from ..task import Task
 from . import hooks, metric_states
 from .attributes import AttributeWatch
 from .logging import LogBuffer
-from .manual import ManualRun
+from .manual import ManualRun, ManualSchedulers
 from .module import MODULE_HOOKS
 from .optimizers import convert_optimizers
 from .trainer_view import TrainerView
@@ -76,6 +76,11 @@ class LightningTask(Task):
                 setattr(self, hook, getattr(module, hook))
         if hooks.overrides(module, "prepare_data"):
             self.prepare_data = module.prepare_data
+        #: whether a batch-end hook gets what the steps return (else they keep nothing)
+        self._wants_outputs = any(
+            hooks.overrides(module, f"on_{stage}_batch_end")
+            for stage in ("train", "validation", "test", "predict")
+        )
         self._install_event_handlers()
 
     @staticmethod
@@ -133,11 +138,26 @@ class LightningTask(Task):
     def get_model(self) -> nn.Module:
         return self.module
 
+    def _observe(self, counters: bool = True) -> None:
+        """Read where the loop is (the driver's ``BatchPosition``): the batch index the step
+        methods get and (``counters``) the state's counters ``self.trainer`` shows at the
+        batch's start. No event per batch is needed for it, so a module without batch hooks
+        costs the loop nothing per batch."""
+        view = self.view
+        driver = getattr(view._trainer, "_driver", None) if view is not None else None
+        position = driver.position if driver is not None else None
+        if position is None:
+            return
+        self._batch_idx = position.batch_idx
+        self._dataloader_idx = position.dataloader_idx
+        self._several_loaders = position.loaders > 1
+        if counters:
+            view.observe(position.progress, driver.stage)
+
     def _run_step(
         self, hook: str, batch: Any, fn: Callable[[], Any]
     ) -> tuple[Any, dict[str, Logged]]:
-        for metric in self.metrics.values():  # each step updates its batch's states only
-            metric.reset()
+        metric_states.start_step(self.metrics, hook)  # each step updates its batch's only
         self.logs.open(hook, batch)
         try:
             out = fn()
@@ -147,7 +167,11 @@ class LightningTask(Task):
         return out, self._read_metrics(logged)
 
     def _read_metrics(self, logged: dict[str, Logged]) -> dict[str, Logged]:
-        """Logged torchmetrics objects as their states after the step (``snapshot``)."""
+        """Logged torchmetrics objects as their states after the step (``snapshot``), and
+        the states of every metric the step touched as kept values (``metric_states``:
+        what a hook's ``compute()`` sees)."""
+        paths = {id(m): p for p, m in self.metrics.items()}
+        logged_paths = set()
         for name, entry in logged.items():
             if isinstance(entry, Logged) and metric_states.is_torchmetric(entry.value):
                 key = metric_states.key_of(self.module, entry.value)
@@ -156,16 +180,21 @@ class LightningTask(Task):
                         f"self.log({name!r}, metric): the metric must be an attribute of "
                         f"{type(self.module).__name__} (a submodule), as Lightning requires"
                     )
+                logged_paths.add(paths.get(id(entry.value)))
                 logged[name] = entry.replace(value=metric_states.snapshot(entry.value, key))
+        first = self._batch_idx == 0 and self._dataloader_idx == 0  # its stage's epoch begins
+        logged.update(metric_states.end_step(self.module, self.metrics, logged_paths, first))
         return logged
 
     def training_step(self, apply: nn.Module, batch: Any) -> Any:
+        self._observe()
         if not self.automatic_optimization:  # ``apply`` is the loop's OptimizerHandle
             return self._manual_step(apply, batch)
         out, logged = self._run_step(
             "training_step", batch, lambda: apply.training_step(batch, self._batch_idx)
         )
-        self._last_output = _as_outputs(out)
+        if self._wants_outputs:
+            self._last_output = _as_outputs(out)
         if isinstance(out, dict):
             if "loss" not in out:
                 raise ValueError(
@@ -173,11 +202,8 @@ class LightningTask(Task):
                     "'loss'; automatic optimization needs the loss under 'loss'"
                 )
             out = out["loss"]
-        if out is None:
-            raise NotImplementedError(
-                f"{type(self.module).__name__}.training_step returned None: skipping a batch "
-                "this way is not supported yet under purestep.Trainer"
-            )
+        if out is None:  # Lightning's way to skip the batch: no gradient, no update
+            return None, logged
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"{type(self.module).__name__}.training_step must return the loss tensor or a "
@@ -189,7 +215,14 @@ class LightningTask(Task):
         """Lightning's manual optimization (``loops.lightning.manual``): the module's
         ``training_step`` runs once, imperatively, its ``opt.step()`` calls pure updates.
         What it logs is the batch's metrics; its return value is ignored, as Lightning's."""
-        run = ManualRun(self.module, self._binder, handle, batch, self.torch_optimizers)
+        run = ManualRun(
+            self.module,
+            self._binder,
+            handle,
+            batch,
+            self.torch_optimizers,
+            self.manual_schedulers,
+        )
         _, logged = self._run_step(
             "training_step",
             batch,
@@ -199,12 +232,14 @@ class LightningTask(Task):
         return loss, logged
 
     def _eval_step(self, hook: str, apply: nn.Module, batch: Any) -> dict[str, Any]:
+        self._observe()
         method = getattr(apply, hook)
         args = (batch, self._batch_idx)
         if self._several_loaders and hooks.accepts(method, 3):
             args = (*args, self._dataloader_idx)
         out, logged = self._run_step(hook, batch, lambda: method(*args))
-        self._last_output = _as_outputs(out, loss=False)
+        if self._wants_outputs:
+            self._last_output = _as_outputs(out, loss=False)
         return dict(logged)
 
     def validation_step(self, apply: nn.Module, batch: Any) -> dict[str, Any]:
@@ -214,12 +249,14 @@ class LightningTask(Task):
         return self._eval_step("test_step", apply, batch)
 
     def predict_step(self, apply: nn.Module, batch: Any) -> Any:
+        self._observe()
         method = apply.predict_step
         args = (batch, self._batch_idx)
         if self._several_loaders and hooks.accepts(method, 3):
             args = (*args, self._dataloader_idx)
         out, _ = self._run_step("predict_step", batch, lambda: method(*args))
-        self._last_output = _as_outputs(out, loss=False)
+        if self._wants_outputs:
+            self._last_output = _as_outputs(out, loss=False)
         return out
 
     _several_loaders = False
@@ -227,6 +264,9 @@ class LightningTask(Task):
     _last_output: Any = None  # what the last step returned (the batch-end hooks' outputs)
 
     # ------------------------------------------------------------------ configuration
+
+    #: manual optimization: the schedulers the module steps itself (``self.lr_schedulers()``)
+    manual_schedulers: ManualSchedulers | None = None
 
     def configure_optimizers(self) -> Any:
         output = self.module.configure_optimizers()
@@ -238,7 +278,13 @@ class LightningTask(Task):
                 "Lightning 2, several optimizers need manual optimization: set "
                 "self.automatic_optimization = False and step them in training_step"
             )
-        return convert_optimizers(output, self.module)
+        if self.automatic_optimization:
+            self.manual_schedulers = None
+            return convert_optimizers(output, self.module)
+        # Lightning 2: with manual optimization the loop steps no scheduler, the module does
+        # (self.lr_schedulers() in training_step or a hook: loops.lightning.manual)
+        output, self.manual_schedulers, beta1 = ManualSchedulers.split(output)
+        return convert_optimizers(output, self.module, beta1=beta1)
 
     def configured_callbacks(self) -> list[Any]:
         """The module's ``configure_callbacks()``: purestep callbacks (a Lightning callback
@@ -297,37 +343,36 @@ class LightningTask(Task):
 
     def _install_event_handlers(self) -> None:
         """Handlers (purestep's ``(state, ctx) -> (state, Requests)``) for the events whose
-        module hook is overridden, and always for the batch starts (the batch index)."""
-        always = {
-            "on_train_batch_start",
-            "on_validation_batch_start",
-            "on_test_batch_start",
-            "on_predict_batch_start",
-        }
+        module hook is overridden (the steps read the batch index from the loop's position,
+        ``_observe``)."""
         for event, (hook, stage, args) in hooks.EVENT_HOOKS.items():
-            user = hook in MODULE_HOOKS and hooks.overrides(self.module, hook)
-            if user or event in always:
-                setattr(self, event, self._handler(event, hook, stage, args, user))
+            if hook in MODULE_HOOKS and hooks.overrides(self.module, hook):
+                setattr(self, event, self._handler(event, hook, stage, args))
 
     def _handler(
-        self, event: str, hook: str, stage: str, args: Callable[[Any], tuple], user: bool
+        self, event: str, hook: str, stage: str, args: Callable[[Any], tuple]
     ) -> Callable[[Any, Any], tuple[Any, Requests]]:
+        indexed = hook in hooks.INDEXED_HOOKS
+
         def handle(own: Any, ctx: Any) -> tuple[Any, Requests]:
+            schedulers = self.manual_schedulers  # manual optimization's self.lr_schedulers()
+            if schedulers is None:
+                return run(own, ctx)
+            return schedulers.run_hook(self.module, event, run, own, ctx)
+
+        def run(own: Any, ctx: Any) -> tuple[Any, Requests]:
             if self.view is not None:
                 self.view.observe(ctx.state.progress, ctx.stage)
             if ctx.batch_idx is not None:
-                self._batch_idx = ctx.batch_idx
-                self._dataloader_idx = ctx.dataloader_idx
-                self._several_loaders = hooks.several_loaders(ctx)
-            if not user:
-                return own, NOTHING
+                self._observe(counters=False)  # the event's state's counters, seen above
             state = ctx.state
             versions = _versions(state)
             self.logs.open(hook, ctx.batch)
+            result = None
             try:
                 with (
                     self._binder.bind(state.params, state.buffers, training=stage == "train"),
-                    metric_states.compute_refused(self.metrics, hook),
+                    metric_states.in_hook(self.metrics, ctx, hook, self.view) as hooked,
                 ):
                     if event == "on_before_optimizer_step":
                         self._before_optimizer_step(ctx)
@@ -335,26 +380,35 @@ class LightningTask(Task):
                         call = args(ctx)
                         if event.endswith("_batch_end"):  # what the step returned
                             call = (self._last_output, *call[1:])
-                        getattr(self.module, hook)(*call)
+                        if indexed and self._several_loaders:
+                            call = (*call, ctx.dataloader_idx)
+                        result = getattr(self.module, hook)(*call)
             finally:
                 logged = self.logs.take()
             _check_versions(state, versions, hook)
             self.attributes.check(hook)
             stop = self.view is not None and self.view.take_stop()
+            # Lightning: on_train_batch_start returning -1 skips the rest of the epoch
+            end = hook == "on_train_batch_start" and _is_minus_one(result)
             values = {n: e.value if isinstance(e, Logged) else e for n, e in logged.items()}
-            if any(metric_states.is_torchmetric(v) for v in values.values()):
-                raise NotImplementedError(
-                    f"self.log(name, metric) in {hook} is not supported under purestep.Trainer: "
-                    "log the metric object from the step (training_step, validation_step, "
-                    "test_step), where its epoch value is computed over the epoch's updates"
-                )
+            # metric objects logged here as their compute(); what the hook reset or updated
+            # goes back into the state's kept metric states
+            values, kept = hooked.finish(values)
+            if kept:
+                values = {name: _plain(value) for name, value in values.items()}
+                return own, Requests(stop=stop, log=values, end_epoch=end, kept=kept)
             values = {name: _plain(value) for name, value in values.items()}
-            if not values and not stop:
+            if not values and not stop and not end:
                 return own, NOTHING
-            return own, Requests(stop=stop, log=values)
+            return own, Requests(stop=stop, log=values, end_epoch=end)
 
         handle.__name__ = event
         return handle
+
+
+def _is_minus_one(value: Any) -> bool:
+    """Whether a hook returned -1 (an int: Lightning compares ``response == -1``)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value == -1
 
 
 def _torch_optimizers(output: Any) -> list[Any]:

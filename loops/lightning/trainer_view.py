@@ -54,6 +54,13 @@ class TrainerView:
         return self.epoch
 
     @property
+    def is_last_batch(self) -> bool:
+        """Whether the batch the loop is at is its epoch's (or its dataloader's) last."""
+        driver = getattr(self._trainer, "_driver", None)
+        position = driver.position if driver is not None else None
+        return position is not None and position.batch_idx + 1 == position.num_batches
+
+    @property
     def lightning_module(self) -> Any:
         task = getattr(self._trainer, "_task", None)
         return getattr(task, "module", None)

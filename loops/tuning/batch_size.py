@@ -67,12 +67,13 @@ def _free_memory() -> None:
         gc.collect(1)
 
 
-def _dataset_length(datamodule: Any) -> int | None:
-    """How many samples the datamodule's training data holds (None if it cannot tell)."""
-    if datamodule is None:
+def _dataset_length(owner: Any) -> int | None:
+    """How many samples the training data of ``owner`` (a datamodule or a task with its
+    own ``train_dataloader``) holds (None if it cannot tell)."""
+    if owner is None:
         return None
     try:
-        data = datamodule.train_dataloader()
+        data = owner.train_dataloader()
         data = getattr(data, "dataset", data)
         return len(data)
     except Exception:
@@ -112,6 +113,7 @@ def scale_batch_size(
     """
     from .. import lightning
     from ..task import Task
+    from ..trainer_data import task_defines
     from ..trainer_run import printer
 
     _check(mode, steps_per_trial, init_val, max_trials)
@@ -130,10 +132,13 @@ def scale_batch_size(
             "scale_batch_size cannot change the batch size of dataloaders passed directly: "
             "pass a datamodule whose train_dataloader() reads the batch size"
         )
-    if datamodule is None:
+    # who builds the loaders: the datamodule, else the task's own train_dataloader() (a
+    # LightningModule's, as Lightning's tuner allows)
+    loaders = datamodule if datamodule is not None else model
+    if datamodule is None and not task_defines(model, "train_dataloader"):
         raise ValueError(
-            "scale_batch_size needs a datamodule whose train_dataloader() builds loaders with "
-            f"its `{batch_arg_name}`"
+            "scale_batch_size needs a datamodule, or a task that defines train_dataloader(), "
+            f"that builds its loaders with its `{batch_arg_name}`"
         )
     if not attrs.has_attr(batch_arg_name, model, datamodule):
         raise AttributeError(
@@ -141,7 +146,7 @@ def scale_batch_size(
             "its hparams: give one of them the batch size attribute the datamodule's "
             "train_dataloader() reads (or name it with batch_arg_name=...)"
         )
-    length = _dataset_length(datamodule)
+    length = _dataset_length(loaders)
     inner = trial_trainer(
         trainer,
         (),
