@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from .per_sample import PerSampleStep, per_sample_step
     from .state import Progress, TrainState, init, materialize, trainable_names
     from .step import (
+        SKIP,
         EvalStep,
         Gradients,
         PredictStep,
@@ -71,6 +72,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
             "EvalStep",
             "Gradients",
             "PredictStep",
+            "SKIP",
             "StepOutput",
             "TrainStep",
             "batch_size",
@@ -95,6 +97,7 @@ __all__ = [
     "Precision",
     "PredictStep",
     "Progress",
+    "SKIP",
     "StepOutput",
     "Strategy",
     "TrainState",

@@ -265,6 +265,13 @@ def _construct(exc: BaseException) -> str:
     return "\n".join(keep)
 
 
+def _refuse_skip(exc: BaseException) -> None:
+    """A loss function that skipped its batch inside a traced step: torch.compile reports
+    the refusal wrapped in its own error; raise the refusal itself."""
+    if SKIP_UNSUPPORTED in str(exc):
+        raise ValueError(SKIP_UNSUPPORTED) from None
+
+
 def _dynamo_error(exc: BaseException) -> bool:
     return isinstance(exc, torch._dynamo.exc.TorchDynamoException)
 
@@ -554,6 +561,7 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
             with rng.scope(key, generators=self._rng_generators), self._ambient(True):
                 out = graph(state.params, buffers, state.opt_state, acc, batch)
         except Exception as exc:
+            _refuse_skip(exc)
             if not _dynamo_error(exc) or self._verified:
                 raise
             return self._fused_failed(exc, state, batch, end_window)
@@ -631,6 +639,7 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
             with rng.scope(key, generators=self._rng_generators):
                 grads, loss, metrics, new_buffers = graph(params, buffers, batch, scale)
         except Exception as exc:
+            _refuse_skip(exc)
             if not _dynamo_error(exc):
                 raise
             self._explain(exc, params, buffers, batch, key, loss_scale, divisor)

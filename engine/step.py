@@ -40,13 +40,14 @@ from .bind import Binder, canonical_names
 from .optim.nonfinite import skip_count
 from .state import Progress, TrainState, trainable_names
 from .strategy import Local, Strategy
-from .tree import combine_norms, leaves, map, struct
+from .tree import combine_norms, leaves, map, struct, structure, unflatten
 
 __all__ = [
     "EvalStep",
     "Gradients",
     "NoGradStep",
     "PredictStep",
+    "SKIP",
     "StepOutput",
     "TrainStep",
     "batch_size",
@@ -123,25 +124,44 @@ class Gradients:
 # ---------------------------------------------------------------------- loss-function outputs
 
 
+class _Skip:
+    """The type of ``SKIP`` (one instance)."""
+
+    _instance: _Skip | None = None
+
+    def __new__(cls) -> _Skip:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "engine.SKIP"
+
+    def __reduce__(self) -> str:
+        return "SKIP"
+
+
+#: What a loss function returns (alone, or as ``(SKIP, metrics)``) to skip its batch, as
+#: Lightning's ``training_step`` returning None does: no gradient from it, and a window of
+#: only skipped batches makes no update while the counters advance. An explicit value, so
+#: a loss function that forgets its ``return`` is still an error, not a silent skip.
+SKIP = _Skip()
+
+
 def split_output(out: Any, where: str) -> tuple[torch.Tensor | None, dict[str, Any]]:
     """``(loss, metrics)`` from what a loss function returned (``where`` names it in errors).
 
-    ``None`` (or ``(None, metrics)``) is a loss function skipping its batch, as Lightning's
-    ``training_step`` returning None does: the loss is None (``loss_for_grad`` says where
-    that is not supported)."""
+    ``SKIP`` (or ``(SKIP, metrics)``) gives a None loss: the batch is skipped
+    (``loss_for_grad`` says where that is not supported)."""
     if isinstance(out, torch.Tensor):
         return out, {}
-    if out is None:
+    if out is SKIP:
         return None, {}
-    if (
-        isinstance(out, tuple)
-        and len(out) == 2
-        and (out[0] is None or isinstance(out[0], torch.Tensor))
-    ):
+    if isinstance(out, tuple) and len(out) == 2 and (out[0] is SKIP or isinstance(out[0], Tensor)):
         metrics = out[1]
         if not isinstance(metrics, dict):
             raise TypeError(f"{where}: the metrics of (loss, metrics) must be a dict")
-        return out[0], metrics
+        return (None if out[0] is SKIP else out[0]), metrics
     if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
         metrics = {k: v for k, v in out.items() if k != "loss"}
         return out["loss"], metrics
@@ -213,10 +233,10 @@ def batch_size(batch: Any) -> int:
 
 #: Why a skipped batch (a loss function returning None) is refused where it is.
 SKIP_UNSUPPORTED = (
-    "the loss function returned None, which skips the batch (Lightning's training_step "
-    "returning None); only the single-process eager step supports that (grad='autograd', "
-    "no compile, no DDP/FSDP, no ensemble, no per-sample gradients): return a loss, or "
-    "filter the batch out of the data"
+    "the loss function skipped its batch (engine.SKIP; a Lightning-style training_step "
+    "returning None); only the single-process eager train step can skip (grad='autograd', "
+    "no compile, no DDP/FSDP, no ensemble, no per-sample gradients, not an evaluation): "
+    "return a loss, or filter the batch out of the data"
 )
 
 
@@ -852,6 +872,11 @@ class TrainStep:
         binder, loss_fn, precision = self.binder, self.loss_fn, self.strategy.precision
         stage = self._stage
 
+        # Metrics that are not plain tensors (purestep structs: a Lightning-style module's
+        # logged values) leave torch.func as their leaves, torch.func returning torch's
+        # pytrees only; the structure is rebuilt after.
+        structures = []
+
         def objective(trainable, buffers):
             with binder.bind({**frozen, **trainable}, buffers, True) as apply:
                 with precision.autocast():
@@ -862,12 +887,18 @@ class TrainStep:
                         raise
                     loss, metrics = split_output(out, "loss_fn")
                 new_buffers = binder.collect_buffers() if buffers else buffers
-            return loss_for_grad(loss, loss_scale, divisor), (loss, metrics, new_buffers)
+            if all(type(v) is Tensor for v in metrics.values()):  # the usual: as they are
+                values = metrics
+            else:
+                structures.append(structure(metrics))
+                values = leaves(metrics)
+            return loss_for_grad(loss, loss_scale, divisor), (loss, values, new_buffers)
 
         with rng.scope(key, generators=self._rng_generators):
-            grads, (loss, metrics, new_buffers) = torch.func.grad(objective, has_aux=True)(
+            grads, (loss, values, new_buffers) = torch.func.grad(objective, has_aux=True)(
                 wrt, buffers
             )
+        metrics = unflatten(structures[-1], values) if structures else values
         return dict(grads), loss.detach(), detached(metrics), new_buffers
 
     def _named_grads(self, wrt, grads):
@@ -1001,6 +1032,8 @@ class EvalStep(NoGradStep):
         if isinstance(out, dict) and "loss" not in out:
             return detached(out)
         loss, metrics = split_output(out, "eval fn")
+        if loss is None:
+            raise ValueError(SKIP_UNSUPPORTED)
         return {"loss": loss.detach(), **detached(metrics)}
 
 

@@ -20,7 +20,10 @@ A value wrapped in ``keep(metric)`` is not reported at all: the loops merge it i
 state's kept accumulators (in the loop state's ``train_epoch``, beside the training epoch's
 own, whichever stage's step returned it), which outlive epochs and evaluations and which
 callbacks replace or drop with ``Requests(kept=...)``. It is how a step adds lasting state:
-a Lightning-style module's torchmetrics states (``loops.lightning.metric_states``).
+a Lightning-style module's torchmetrics states (``loops.lightning.metric_states``). A kept
+value whose ``dropped_after`` names a stage lasts until that stage's epoch ends (after its
+``on_train_epoch_end``; an evaluation's after its ``on_validation_end`` / ``on_test_end``):
+the loops drop it then (``drop_ended``), before the next commit point.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "Logged",
     "MetricSpec",
     "accumulate",
+    "drop_ended",
     "epoch_values",
     "keep",
     "kept",
@@ -146,9 +150,30 @@ def keep(metric: Any) -> Logged:
     return Logged(metric, False, True, "mean", False, False, prefix=False, kept=True)
 
 
-def kept(acc: Mapping[str, Any], specs: Mapping[str, MetricSpec]) -> dict[str, Any]:
-    """The kept accumulators among ``acc`` (see ``keep``)."""
-    return {name: m for name, m in acc.items() if _is_kept(specs, name)}
+def kept(
+    acc: Mapping[str, Any], specs: Mapping[str, MetricSpec], *, ending: str | None = None
+) -> dict[str, Any]:
+    """The kept accumulators among ``acc`` (see ``keep``); ``ending``: a stage whose epoch
+    has ended, whose kept values (``drop_ended``) are left out."""
+    return {
+        name: m
+        for name, m in acc.items()
+        if _is_kept(specs, name) and (ending is None or not _ends_with(m, ending))
+    }
+
+
+def drop_ended(acc: Mapping[str, Any], specs: Mapping[str, MetricSpec], stage: str) -> Any:
+    """``acc`` without the kept accumulators that end with ``stage``'s epoch: those whose
+    ``dropped_after`` names the stage (a Lightning-style module's metric logged from that
+    stage's step, which Lightning resets when the epoch ends). ``acc`` itself when none."""
+    ended = [name for name, m in acc.items() if _ends_with(m, stage) and _is_kept(specs, name)]
+    if not ended:
+        return acc
+    return {name: m for name, m in acc.items() if name not in ended}
+
+
+def _ends_with(metric: Any, stage: str) -> bool:
+    return stage in getattr(metric, "dropped_after", ())
 
 
 def reported(acc: Mapping[str, Any], specs: Mapping[str, MetricSpec]) -> dict[str, Any]:

@@ -141,7 +141,10 @@ class Driver:
         self.stage: str | None = None
         # The batch the running loop is at (each loop sets it before the batch's start event).
         self.position: BatchPosition | None = None
-        # Set by an end_epoch request; the training loop ends the epoch and clears it.
+        # The training batch a fit is at (an evaluation inside it leaves it as it is).
+        self.train_position: BatchPosition | None = None
+        # Set by an end_epoch request; the training loop ends the epoch and clears it (the
+        # request is honoured at on_train_batch_start only).
         self.end_epoch = False
         self.status = "initializing"
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
@@ -379,7 +382,7 @@ class Driver:
             if self.stage != Stage.TRAIN:
                 raise ValueError(
                     "Requests(end_epoch=True) ends a training epoch: ask for it at "
-                    f"on_train_batch_start, not during {self.stage!r}"
+                    f"on_train_batch_start, not during {self.stage or 'setup'!r}"
                 )
             self.end_epoch = True
         return state

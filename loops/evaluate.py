@@ -112,7 +112,9 @@ def run_evaluation(
                 batches = itertools.islice(batches, int(limit))
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
-                driver.position = BatchPosition(batch_idx, i, limit, len(sources), state.progress)
+                driver.position = BatchPosition(
+                    batch_idx, i, limit, len(sources), batch_idx + 1 == limit, state.progress
+                )
                 state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
                 with driver.evaluation_mode(), section(prof, step_action):
                     out = step(state, batch, index=batch_idx)
@@ -159,6 +161,7 @@ def run_evaluation(
             if row:
                 driver.log_metrics({**row, "epoch": state.progress.epoch}, driver.logger_step)
         state = driver.fire(f"on_{prefix}_end", state, num_batches=list(max_batches))
+        state = _drop_ended(state, Stage.VALIDATE if sanity else stage)
     finally:
         driver.stage = previous_stage
         driver.position = previous_position
@@ -180,6 +183,16 @@ def _keep(state: TrainState, resolved: dict[str, Any]) -> tuple[TrainState, dict
     )
     rest = {name: entry for name, entry in resolved.items() if not entry[0].kept}
     return loop_state.put(state, loop), rest
+
+
+def _drop_ended(state: TrainState, stage: str) -> TrainState:
+    """The evaluation is over (after ``on_*_end``): the kept accumulators that end with its
+    epoch dropped (``aggregate.drop_ended``: Lightning resets the metrics its steps logged)."""
+    loop = loop_state.get(state)
+    acc = aggregate.drop_ended(loop.train_epoch, loop.train_specs, stage)
+    if acc is loop.train_epoch:  # the usual: nothing ends with it
+        return state
+    return loop_state.put(state, loop.replace(train_epoch=acc))
 
 
 def evaluate(

@@ -98,13 +98,14 @@ class Requests:
     ``engine.optim.set_hyperparams``), which is how schedulers and metric-driven callbacks
     change a learning rate; ``weights``: parameters and/or buffers to put into the training
     state, ``{"params": {name: tensor}, "buffers": {name: tensor}}`` (copied by the driver;
-    how weight-averaging callbacks swap averaged weights in and out); ``end_epoch``: end
-    the training epoch before its next batch (asked at ``on_train_batch_start``: before
-    this one, Lightning's ``on_train_batch_start`` returning -1); the epoch then ends as
-    usual, without the end-of-epoch validation its last batch would have run, and an open
-    accumulation window is dropped; ``kept``: kept accumulators (``loops.aggregate.keep``)
-    to replace, by name, or to drop (``None``), which is how a Lightning-style module's
-    hooks reset or update its torchmetrics states (the later request wins per name).
+    how weight-averaging callbacks swap averaged weights in and out); ``end_epoch``: at
+    ``on_train_batch_start`` only (elsewhere an error), skip this batch and the rest of the
+    epoch (Lightning's ``on_train_batch_start`` returning -1), every process alike; the epoch
+    then ends as usual, without the end-of-epoch validation its last batch would have run,
+    and an open accumulation window is dropped; ``kept``: kept accumulators
+    (``loops.aggregate.keep``) to replace, by name, or to drop (``None``), which is how a
+    Lightning-style module's hooks reset or update its torchmetrics states (the later
+    request wins per name).
     """
 
     stop: bool = False
@@ -171,14 +172,16 @@ class BatchPosition(NamedTuple):
     Every loop sets it before a batch's start event, so code that runs inside a step (a
     Lightning-style ``training_step(batch, batch_idx)``) can read its batch index without
     an event per batch. ``num_batches``: the batches this epoch or this dataloader's
-    evaluation runs; ``loaders``: how many dataloaders the stage runs; ``progress``: the
-    state's counters at the batch's start (what a step reads as the epoch and global step).
+    evaluation runs; ``loaders``: how many dataloaders the stage runs; ``is_last``: whether
+    it is the last of them (known ahead for unsized data too); ``progress``: the state's
+    counters at the batch's start (what a step reads as the epoch and global step).
     """
 
     batch_idx: int
     dataloader_idx: int
     num_batches: Any
     loaders: int
+    is_last: bool
     progress: Progress
 
 

@@ -280,6 +280,8 @@ class FitLoop:
         self.state = init_states(drv.callbacks, state)
         drv.status = "running"
         drv.torn = drv.past_commit = False
+        drv.end_epoch = False  # nothing of an earlier run's batches
+        drv.position = drv.train_position = None
         drv.logger_step = self.state.progress.step
         drv.last_commit = self.state
         self._heard = tuple(bool(drv.handlers(e) or drv.watchers(e)) for e in _BATCH_EVENTS)
@@ -415,6 +417,7 @@ class FitLoop:
         batches = _numbered(batches, start, num)
         batch_idx, is_last = start - 1, False
         while True:
+            _refuse_end_epoch(drv, "on_train_epoch_start")
             p = self.state.progress
             verdict = schedule.epoch_done(
                 c,
@@ -435,15 +438,18 @@ class FitLoop:
                 break
             batch_idx, batch, is_last = item
             with section(drv.profiler, "run_training_batch"):
-                self._batch(batch, batch_idx, is_last, epoch)
-            if drv.end_epoch:  # an end_epoch request: the rest of the epoch is skipped
+                ended = self._batch(batch, batch_idx, is_last, epoch)
+            if ended:  # an end_epoch request at the batch's start: the rest is skipped
                 break
+            _refuse_end_epoch(drv, "on_train_batch_end")
             if not is_last:
                 drv.commit(self.state)
         self._epoch_end(epoch)
 
-    def _batch(self, batch: Any, batch_idx: int, is_last: bool, epoch: int) -> None:
-        """Process one training batch: events, step, logging, validation when due."""
+    def _batch(self, batch: Any, batch_idx: int, is_last: bool, epoch: int) -> bool:
+        """Process one training batch: events, step, logging, validation when due. Returns
+        True, having done nothing more, when ``on_train_batch_start`` asked to end the
+        epoch (``Requests(end_epoch=True)``; every process agrees on it)."""
         drv, c = self.driver, self.config
         num = self.num_train
         heard_start, heard_before, heard_end = self._heard
@@ -451,7 +457,9 @@ class FitLoop:
         samples_before = self.state.progress.samples
         if self.schedulers:
             self._request(self.schedulers.batch_start(self.state))
-        drv.position = BatchPosition(batch_idx, 0, num, 1, self.state.progress)
+        drv.position = drv.train_position = BatchPosition(
+            batch_idx, 0, num, 1, is_last, self.state.progress
+        )
         if heard_start:
             self.state = drv.fire(
                 "on_train_batch_start",
@@ -460,8 +468,12 @@ class FitLoop:
                 batch_idx=batch_idx,
                 num_batches=num,
             )
+            if drv.world_size > 1:  # one rank's request ends every rank's epoch
+                drv.end_epoch = drv.strategy.reduce_flag(drv.end_epoch, "any")
             if drv.end_epoch:
-                return
+                drv.end_epoch = False
+                drv.train_position = drv.position._replace(is_last=True)  # Lightning's flag
+                return True
         close = schedule.is_optimizer_step(batch_idx, self._factor, num, is_last)
         if self._grad_norm_values:
             self._grad_norm_values = {}
@@ -566,6 +578,7 @@ class FitLoop:
             self.state, requests = self.schedulers.batch_end(self.state, metrics, out.stepped)
             self._request(requests)
         drv.logger_step = self.state.progress.step
+        return False
 
     def _request(self, requests: Any) -> None:
         """Carry out a scheduler's requests (the driver does, as for callbacks')."""
@@ -679,9 +692,11 @@ class FitLoop:
 
     def _record_kept_only(self) -> None:
         """A new training epoch's accumulators: none, but the kept ones (``aggregate.keep``:
-        state the steps keep across epochs)."""
+        state the steps keep across epochs; those that end with the training epoch,
+        ``aggregate.drop_ended``, are dropped)."""
         loop = loop_state.get(self.state)
-        self._record(train_epoch=aggregate.kept(loop.train_epoch, loop.train_specs))
+        kept = aggregate.kept(loop.train_epoch, loop.train_specs, ending=Stage.TRAIN)
+        self._record(train_epoch=kept)
 
     def _validate(self, epoch: int) -> None:
         self._ensure_val(epoch)
@@ -726,8 +741,19 @@ class FitLoop:
         )
         self._record_kept_only()
         drv.logger_step = self.state.progress.step
-        drv.end_epoch = False  # a request to end this epoch is done with
         drv.commit(self.state)
+
+
+def _refuse_end_epoch(driver: Driver, event: str) -> None:
+    """An end_epoch request that came from an event other than ``on_train_batch_start``."""
+    if driver.end_epoch:
+        driver.end_epoch = False
+        raise ValueError(
+            f"Requests(end_epoch=True) came from {event} (or another event there): it is "
+            "honoured at on_train_batch_start only, where it ends the epoch before that batch "
+            "(Lightning's on_train_batch_start returning -1); ask for it there, or request a "
+            "stop (Requests(stop=True)) to end training"
+        )
 
 
 def _copied(tree: Any) -> Any:

@@ -113,7 +113,9 @@ def run_prediction(
                 batches = itertools.islice(batches, int(limit))
             for batch_idx, batch in enumerate(batches):
                 fields = {"batch": batch, "batch_idx": batch_idx, "dataloader_idx": i}
-                driver.position = BatchPosition(batch_idx, i, limit, len(sources), state.progress)
+                driver.position = BatchPosition(
+                    batch_idx, i, limit, len(sources), batch_idx + 1 == limit, state.progress
+                )
                 state = driver.fire("on_predict_batch_start", state, num_batches=limit, **fields)
                 with driver.evaluation_mode(), section(prof, "predict_step"):
                     out = _predict(step, state, batch, batch_idx)

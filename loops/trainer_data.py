@@ -42,7 +42,10 @@ TRAIN_MODES = ("max_size_cycle", "min_size", "max_size")
 
 def overrides(obj: Any, method: str) -> bool:
     """Whether a data module defines ``method`` itself (e.g. ``val_dataloader``), not its
-    base class (``DataModule``, or Lightning's, whose defaults raise or do nothing)."""
+    base class (``DataModule``, or Lightning's, whose defaults raise or do nothing), or
+    holds it as an instance attribute (``LightningDataModule.from_datasets``)."""
+    if callable(vars(obj).get(method)) if hasattr(obj, "__dict__") else False:
+        return True
     return getattr(type(obj), method, None) is not getattr(datamodule_base(obj), method, None)
 
 
@@ -118,24 +121,30 @@ def _per_node(owner: Any, trainer_flag: bool) -> bool:
 
 #: A LightningDataModule's hooks the Trainer does not call (batches are placed by the
 #: strategy; there is no transfer step to hook into).
-_NOT_CALLED = ("transfer_batch_to_device", "on_before_batch_transfer", "on_after_batch_transfer")
+_NOT_CALLED = (
+    "transfer_batch_to_device",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+    "on_exception",
+)
 
 
 def attach_datamodule(trainer: Any, datamodule: Any) -> None:
     """A ``LightningDataModule`` gets ``self.trainer`` as Lightning sets it (a read-only view
-    of the run, as a LightningModule's), and overridden hooks this Trainer never calls are
-    reported once; a purestep ``DataModule`` is left as it is."""
+    of the run, as a LightningModule's, its counters those of the latest state), and
+    overridden hooks this Trainer never calls are reported; a purestep ``DataModule`` is
+    left as it is."""
     if datamodule is None or datamodule_base(datamodule) is DataModule:
         return
     from .lightning.trainer_view import TrainerView
 
-    datamodule.trainer = TrainerView(trainer)
+    datamodule.trainer = TrainerView(trainer, live=True)
     ignored = [h for h in _NOT_CALLED if overrides(datamodule, h)]
     if ignored:
         warnings.warn(
             f"{type(datamodule).__name__} overrides {ignored}, which purestep.Trainer does not "
             "call (the strategy places each batch): do that work in the dataset, the "
-            "collate function or the step",
+            "collate function or the step (and handle failures in a callback's on_exception)",
             UserWarning,
             stacklevel=3,
         )

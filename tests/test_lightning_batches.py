@@ -156,13 +156,16 @@ def test_training_step_returning_none_skips_the_batch(tmp_path, accumulate, skip
     }
 
 
-def test_a_skipped_batch_is_refused_where_it_cannot_be_honoured(tmp_path):
-    """Under ``compile=True`` the step is traced, and a None loss has no gradient graph: the
-    error says what skipping needs instead of failing in the compiler."""
-    model = _skipping("purestep", (0,))()
+@pytest.mark.parametrize("at", [0, 2], ids=["first-batch", "after-the-graph-ran"])
+def test_a_skipped_batch_is_refused_where_it_cannot_be_honoured(tmp_path, at):
+    """Under ``compile=True`` the step is traced, and a skipped batch has no gradient graph:
+    the error says what skipping needs instead of failing in the compiler (also once the
+    traced graph has run), and a validation step cannot skip."""
+    model = _skipping("purestep", (at,))()
     trainer = purestep.Trainer(max_epochs=1, compile={"backend": "eager"}, **QUIET)
-    with pytest.raises(ValueError, match="returned None, which skips the batch"):
-        trainer.fit(model, _data(8, 4))
+    with pytest.raises(ValueError, match="skipped its batch") as caught:
+        trainer.fit(model, _data(16, 4))
+    assert "dynamo" not in str(caught.value)
 
 
 # ---------------------------------------------------------------------- the engine's step
@@ -171,9 +174,10 @@ def test_a_skipped_batch_is_refused_where_it_cannot_be_honoured(tmp_path):
 @pytest.mark.bitwise
 @pytest.mark.parametrize("grad", ["autograd", "func"])
 def test_an_engine_loss_function_returning_none_skips_its_batch(grad):
-    """The engine's own step: a loss function returning None (or ``(None, metrics)``) makes
-    no update and reports no loss; the state equals one that never saw that batch, except
-    for the counters. The functional-gradient form cannot skip and says so."""
+    """The engine's own step: a loss function returning ``engine.SKIP`` (or ``(SKIP,
+    metrics)``) makes no update and reports no loss; the state equals one that never saw
+    that batch, except for the counters. The functional-gradient form cannot skip and says
+    so, and a loss function returning None (a forgotten ``return``) is an error."""
     from purestep import engine
     from purestep.engine import optim
 
@@ -185,17 +189,21 @@ def test_an_engine_loss_function_returning_none_skips_its_batch(grad):
     def loss_fn(apply, x):
         loss = apply(x).pow(2).mean()
         if id(x) in skipped:
-            return (None, {"seen": loss.detach()}) if id(x) == id(batches[2]) else None
+            return (engine.SKIP, {"seen": loss.detach()}) if id(x) == id(batches[2]) else SKIP
         return loss
 
     def plain(apply, x):
         return apply(x).pow(2).mean()
 
+    SKIP = engine.SKIP
+    forgetful = engine.train_step(model, lambda apply, x: None, optim.adam(0.1), grad=grad)
+    with pytest.raises(TypeError, match="must return a scalar loss tensor"):
+        forgetful(engine.init(model, optim.adam(0.1)), batches[0])
     step = engine.train_step(model, loss_fn, optim.adam(0.1), grad=grad)
     reference = engine.train_step(model, plain, optim.adam(0.1))
     state = ref = engine.init(model, optim.adam(0.1))
     if grad == "func":
-        with pytest.raises(ValueError, match="returned None, which skips the batch"):
+        with pytest.raises(ValueError, match="skipped its batch"):
             for x in batches:
                 state, _ = step(state, x)
         return
@@ -219,8 +227,10 @@ def _ending(base: str) -> type:
 
         def on_train_batch_start(self, batch, batch_idx):
             self.seen.append(("on_train_batch_start", self.current_epoch, batch_idx))
-            if (self.current_epoch, batch_idx) in ((0, 3), (2, 1)):
+            if (self.current_epoch, batch_idx) == (0, 3):
                 return -1
+            if (self.current_epoch, batch_idx) == (2, 1):
+                return torch.tensor(-1)  # Lightning compares with ==: a tensor works too
             return None
 
         def on_train_epoch_end(self):
@@ -256,8 +266,8 @@ def test_on_train_batch_start_returning_minus_one_ends_the_epoch(tmp_path, accum
 
 def test_an_end_epoch_request_from_a_callback_ends_the_epoch_and_is_refused_elsewhere():
     """``Requests(end_epoch=True)`` is the loop's own form of -1: a callback asking at batch
-    2 of every epoch trains two batches per epoch; asked during validation it is an error
-    naming the event to ask at."""
+    2 of every epoch trains two batches per epoch; asked at another event it is an error
+    naming the event to ask at (and leaves nothing behind for the next run)."""
     from purestep.loops import Requests
     from purestep.loops.callbacks import LambdaCallback
 
@@ -274,6 +284,17 @@ def test_an_end_epoch_request_from_a_callback_ends_the_epoch_and_is_refused_else
     state = trainer.fit(nn.Linear(4, 2), loss, purestep.engine.optim.sgd(0.1), _data(24, 4))
     assert state.progress.step == 6 and state.progress.epoch == 3
 
+    def always(ctx):
+        return Requests(end_epoch=True)
+
+    for event in ("on_train_epoch_start", "on_train_batch_end"):
+        trainer = purestep.Trainer(max_epochs=2, callbacks=[LambdaCallback(**{event: always})])
+        with pytest.raises(ValueError, match=f"came from {event}.*on_train_batch_start only"):
+            trainer.fit(nn.Linear(4, 2), loss, purestep.engine.optim.sgd(0.1), _data(8, 4))
+        trainer.callbacks = []  # the same trainer again: nothing of the refused request left
+        state = trainer.fit(nn.Linear(4, 2), loss, purestep.engine.optim.sgd(0.1), _data(8, 4))
+        assert state.progress.step == 4
+
     def in_validation(ctx):
         return Requests(end_epoch=True)
 
@@ -285,3 +306,31 @@ def test_an_end_epoch_request_from_a_callback_ends_the_epoch_and_is_refused_else
     )
     with pytest.raises(ValueError, match="ask for it at on_train_batch_start"):
         trainer.fit(nn.Linear(4, 2), loss, purestep.engine.optim.sgd(0.1), _data(8, 4), _data(4, 4))
+
+
+def test_is_last_batch_is_the_training_loops_as_in_lightning(tmp_path):
+    """``self.trainer.is_last_batch`` on unsized training data (known by looking ahead), and
+    during a validation inside the epoch (the training loop's flag, as in Lightning)."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            return iter([(torch.randn(4, generator=g),) for _ in range(10)])
+
+    class Flags(_recorder("lightning")):
+        def training_step(self, batch, batch_idx):
+            self.seen.append(("training_step", batch_idx, self.trainer.is_last_batch))
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.seen.append(("validation_is_last", self.trainer.is_last_batch))
+            return super().validation_step(batch, batch_idx)
+
+    fit = {
+        "train_dataloaders": DataLoader(Stream(), batch_size=4),
+        "val_dataloaders": _data(6, 3),
+    }
+    flags = {"max_epochs": 1, "num_sanity_val_steps": 0, "val_check_interval": 2}
+    (theirs, _), (ours, _) = _both(Flags, fit, flags, tmp_path)
+    assert ours.seen == theirs.seen
+    assert ("training_step", 2, True) in ours.seen

@@ -196,3 +196,64 @@ def test_scale_batch_size_of_a_module_with_its_own_train_dataloader(mode):
         found = Tuner(purestep.Trainer(max_epochs=1, **QUIET)).scale_batch_size(ours, **options)
         assert found == expected == ours.hparams.batch_size
     assert 2 < expected <= 11  # it grew, and what it settled on fits
+
+
+@pytest.mark.bitwise
+def test_dataloaders_reloaded_each_epoch_see_that_epoch(tmp_path):
+    """``reload_dataloaders_every_n_epochs=1`` with a curriculum that sizes the data by
+    ``self.trainer.current_epoch``: the LightningDataModule's and the module's own
+    ``train_dataloader()`` see Lightning's counters at each reload, so the same data is
+    trained and the weights are Lightning's."""
+
+    class Curriculum(Points):
+        def train_dataloader(self):
+            epoch = self.trainer.current_epoch
+            self.calls.append(("train_dataloader", epoch, self.trainer.global_step))
+            return DataLoader(TensorDataset(self.x[: 4 * (epoch + 1)]), batch_size=4)
+
+    class OwnCurriculum(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.x = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))
+            self.calls: list[tuple] = []
+
+        def train_dataloader(self):
+            epoch = self.trainer.current_epoch
+            self.calls.append(("train_dataloader", epoch, self.trainer.global_step))
+            return DataLoader(TensorDataset(self.x[: 4 * (epoch + 1)]), batch_size=4)
+
+    flags = {"max_epochs": 3, "reload_dataloaders_every_n_epochs": 1, "limit_val_batches": 0}
+    for make_data in (Curriculum, None):
+        purestep.seed_everything(0)
+        theirs = OwnCurriculum() if make_data is None else Regressor()
+        ours = OwnCurriculum() if make_data is None else Regressor()
+        ours.load_state_dict(theirs.state_dict())
+        their_data = make_data() if make_data else None
+        our_data = make_data() if make_data else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lightning_trainer = pl.Trainer(
+                accelerator="cpu", default_root_dir=tmp_path / "l", **QUIET, **flags
+            )
+            lightning_trainer.fit(theirs, datamodule=their_data)
+        trainer = purestep.Trainer(default_root_dir=tmp_path / "p", **QUIET, **flags)
+        trainer.fit(ours, datamodule=our_data)
+        recorded = (our_data or ours).calls, (their_data or theirs).calls
+        assert (
+            [c for c in recorded[0] if c[0] == "train_dataloader"]
+            == [c for c in recorded[1] if c[0] == "train_dataloader"]
+            == [("train_dataloader", 0, 0), ("train_dataloader", 1, 1), ("train_dataloader", 2, 3)]
+        )
+        assert trainer.global_step == lightning_trainer.global_step == 6
+        assert tree.trees_equal(dict(ours.state_dict()), dict(theirs.state_dict()))
+
+
+def test_a_datamodule_from_datasets_trains():
+    """``LightningDataModule.from_datasets`` installs its loaders as instance attributes."""
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(3))
+    data = pl.LightningDataModule.from_datasets(
+        train_dataset=TensorDataset(x), val_dataset=TensorDataset(x[:4]), batch_size=4
+    )
+    trainer = purestep.Trainer(max_epochs=1, num_sanity_val_steps=0, **QUIET)
+    trainer.fit(Regressor(), data)
+    assert trainer.global_step == 3 and "val_loss" in trainer.callback_metrics

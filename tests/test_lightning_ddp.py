@@ -46,7 +46,18 @@ def _rank_main(rank: int) -> dict:
         DataLoader(TensorDataset(x, y), batch_size=6),
         DataLoader(_val(), batch_size=8),
     )
+    # -1 from one rank's on_train_batch_start ends every rank's epoch (no collective
+    # mismatch), and a skipped batch under DDP is refused on every rank alike
+    ending = _ending_on_rank_zero()
+    end_trainer = purestep.Trainer(max_epochs=2, strategy=hardware.ddp(), **QUIET)
+    end_trainer.fit(ending, DataLoader(TensorDataset(x, y), batch_size=6))
+    skipping = _ending_on_rank_zero(skip=True)
+    with pytest.raises(ValueError, match="skipped its batch"):
+        purestep.Trainer(max_epochs=1, strategy=hardware.ddp(), **QUIET).fit(
+            skipping, DataLoader(TensorDataset(x, y), batch_size=6)
+        )
     return {
+        "end_steps": end_trainer.global_step,
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "val_acc": trainer.callback_metrics["val_acc"].clone(),
         "val_f1": trainer.callback_metrics["val_f1"].clone(),
@@ -55,10 +66,33 @@ def _rank_main(rank: int) -> dict:
     }
 
 
+def _ending_on_rank_zero(skip: bool = False):
+    import purestep
+
+    class Ending(purestep.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(12, 3)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if self.trainer.global_rank == 0 and batch_idx == 1 else None
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.layer(x), y)
+            return None if skip else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Ending()
+
+
 def test_epoch_values_merge_both_ranks_states_as_torchmetrics_would():
     import torchmetrics
 
     first, second = hardware.launch(_rank_main, 2, max_seconds=150, timeout=30)
+    assert first["end_steps"] == second["end_steps"] == 2  # one batch an epoch, both ranks
     for key in first["params"]:
         assert torch.equal(first["params"][key], second["params"][key]), key
     assert torch.equal(first["val_acc"], second["val_acc"])

@@ -195,6 +195,26 @@ def test_hook_computed_metrics_equal_torchmetrics_in_a_plain_loop(tmp_path):
 # ---------------------------------------------------------------------- resume
 
 
+def _fit_checkpointed(folder, stopper, make_model, data, ckpt_path):
+    """``(trainer, state)`` of a 3-epoch fit that checkpoints ``last.ckpt`` after every step
+    into ``folder``, with ``stopper`` (a callback that may raise KeyboardInterrupt)."""
+    checkpoints = ModelCheckpoint(
+        dirpath=str(folder), every_n_train_steps=1, save_top_k=0, save_last=True
+    )
+    trainer = purestep.Trainer(
+        max_epochs=3,
+        default_root_dir=folder,
+        num_sanity_val_steps=0,
+        logger=False,
+        callbacks=[stopper, checkpoints],
+        **QUIET,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Detected KeyboardInterrupt" and the like
+        state = trainer.fit(make_model(), **data, ckpt_path=ckpt_path)
+    return trainer, state
+
+
 @pytest.mark.bitwise
 @pytest.mark.parametrize("stop_after", [3, 7, 10])
 def test_a_run_stopped_mid_epoch_resumes_to_the_same_state_and_values(tmp_path, stop_after):
@@ -211,24 +231,8 @@ def test_a_run_stopped_mid_epoch_resumes_to_the_same_state_and_values(tmp_path, 
             if seen[0] == stop:
                 raise KeyboardInterrupt
 
-        callbacks = [
-            LambdaCallback(name="stopper", on_train_batch_end=maybe_stop),
-            ModelCheckpoint(
-                dirpath=str(tmp_path / folder), every_n_train_steps=1, save_top_k=0, save_last=True
-            ),
-        ]
-        trainer = purestep.Trainer(
-            max_epochs=3,
-            default_root_dir=tmp_path / folder,
-            num_sanity_val_steps=0,
-            logger=False,
-            callbacks=callbacks,
-            **QUIET,
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Detected KeyboardInterrupt" and the like
-            state = trainer.fit(model, **data, ckpt_path=ckpt_path)
-        return trainer, state
+        stopper = LambdaCallback(name="stopper", on_train_batch_end=maybe_stop)
+        return _fit_checkpointed(tmp_path / folder, stopper, lambda: model, data, ckpt_path)
 
     whole_trainer, whole = run("whole")
     _, stopped = run("stopped", stop=stop_after)
@@ -453,3 +457,223 @@ def test_a_step_s_metric_values_are_pure_functions_of_the_state():
         if name.startswith("torchmetrics/"):
             a, b = first[name].value, second[name].value
             assert a.ops == b.ops and all(torch.equal(a.states[n], b.states[n]) for n in a.states)
+
+
+# ---------------------------------------------------------------------- logged from a step
+
+
+def _logged_late_class(base: str, seen: dict[str, list[float]]) -> type:
+    class LoggedLate(base_class(base)):
+        """Metrics logged from a step that is not its stage's first of the epoch: ``odd`` on
+        the odd training batches only, ``second`` for the second validation dataloader only,
+        ``cut`` logged at batch 0, reset in on_train_batch_end at batch 2 and updated (not
+        logged) after. Lightning resets each at its stage's epoch end; ``seen`` records
+        what compute() gives in the hooks around it."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(12, 3)
+            self.odd = torchmetrics.SumMetric()
+            self.second = torchmetrics.SumMetric()
+            self.cut = torchmetrics.SumMetric()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            n = torch.tensor(float(len(x)))
+            if batch_idx % 2 == 1:
+                self.odd.update(n)
+                self.log("odd", self.odd, on_step=False, on_epoch=True)
+            self.cut.update(n + batch_idx)
+            if batch_idx == 0:
+                self.log("cut", self.cut, on_step=False, on_epoch=True)
+            return F.cross_entropy(self.net(x), y)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                self.cut.reset()
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            if dataloader_idx == 1:
+                self.second.update(torch.tensor(float(len(batch[0]))))
+                self.log(
+                    "second", self.second, on_step=False, on_epoch=True, add_dataloader_idx=False
+                )
+
+        def _seen(self, name: str, metric: Any) -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # compute() before any update()
+                seen[name].append(float(metric.compute()))
+
+        def on_train_epoch_start(self):
+            self._seen("odd_at_start", self.odd)
+            self._seen("cut_at_start", self.cut)
+
+        def on_train_epoch_end(self):
+            self._seen("odd", self.odd)
+            self._seen("cut", self.cut)
+
+        def on_validation_epoch_start(self):
+            self._seen("second_at_start", self.second)
+
+        def on_validation_epoch_end(self):
+            self._seen("second", self.second)
+
+        def on_validation_end(self):
+            self._seen("second_at_end", self.second)  # Lightning resets it after this hook
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return LoggedLate
+
+
+def _logged_late_data() -> dict:
+    x, y = tensors(24)
+    return {
+        "train_dataloaders": DataLoader(TensorDataset(x, y), batch_size=6),
+        "val_dataloaders": [
+            DataLoader(TensorDataset(x[:8], y[:8]), batch_size=4),
+            DataLoader(TensorDataset(x[:10], y[:10]), batch_size=4),
+        ],
+    }
+
+
+@pytest.mark.bitwise
+def test_a_metric_logged_from_a_step_is_reset_at_its_stage_s_epoch_end_as_in_lightning(
+    tmp_path,
+):
+    """Not inferred from batch 0: a logged metric the stage's first batch never touches is
+    reset too, after on_train_epoch_end (an evaluation's: after on_validation_end), and one
+    reset in a hook and updated after is reset at the epoch's end all the same."""
+    theirs: dict[str, list[float]] = defaultdict(list)
+    ours: dict[str, list[float]] = defaultdict(list)
+    purestep.seed_everything(0)
+    reference = _logged_late_class("lightning", theirs)()
+    model = _logged_late_class("lightning", ours)()
+    model.load_state_dict(reference.state_dict())
+    lightning_trainer, _ = _lightning_fit(reference, _logged_late_data(), tmp_path / "l")
+    trainer, state, _ = _purestep_fit(model, _logged_late_data(), tmp_path / "p")
+    assert dict(ours) == dict(theirs)
+    # 4 batches of 6 an epoch (2 odd ones); 10 samples in the second validation loader
+    assert ours["odd"] == [12.0, 12.0, 12.0] and ours["odd_at_start"] == [0.0, 0.0, 0.0]
+    assert ours["second"] == ours["second_at_end"] == [10.0, 10.0, 10.0]
+    assert ours["second_at_start"] == [0.0, 0.0, 0.0]
+    assert ours["cut"] == [9.0, 9.0, 9.0] and ours["cut_at_start"] == [0.0, 0.0, 0.0]
+    assert torch.equal(trainer.callback_metrics["odd"], lightning_trainer.callback_metrics["odd"])
+    assert not [n for n in state.extra["loop"].train_epoch if n.startswith("torchmetrics/")]
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("stop", ["epoch_end", "mid_epoch"])
+def test_a_run_resumed_after_a_logged_metric_s_epoch_end_computes_the_same(tmp_path, stop):
+    """Stopped at epoch 1's start (the checkpoint of epoch 0's end: after the logged
+    metrics' reset) or at its second batch, resumed from the last checkpoint."""
+
+    def run(folder, seen, stop=None, ckpt_path=None):
+        purestep.seed_everything(0)
+        batches = [0]
+
+        def at_epoch_start(ctx):
+            if stop == "epoch_end" and ctx.state.progress.epoch == 1:
+                raise KeyboardInterrupt
+
+        def at_batch_end(ctx):
+            batches[0] += 1
+            if stop == "mid_epoch" and batches[0] == 6:
+                raise KeyboardInterrupt
+
+        stopper = LambdaCallback(
+            name="stopper", on_train_epoch_start=at_epoch_start, on_train_batch_end=at_batch_end
+        )
+        return _fit_checkpointed(
+            tmp_path / folder,
+            stopper,
+            lambda: _logged_late_class("purestep", seen)(),
+            _logged_late_data(),
+            ckpt_path,
+        )
+
+    whole_seen: dict[str, list[float]] = defaultdict(list)
+    whole_trainer, whole = run("whole", whole_seen)
+    _, stopped = run("stopped", defaultdict(list), stop=stop)
+    assert stopped.progress.total_batches < whole.progress.total_batches
+    seen: dict[str, list[float]] = defaultdict(list)
+    ckpt = str(tmp_path / "stopped" / "last.ckpt")
+    resumed_trainer, resumed = run("stopped", seen, ckpt_path=ckpt)
+    assert seen["odd"] and seen["second"] and seen["cut"]
+    for name, values in seen.items():  # the resumed epochs' values, as uninterrupted
+        assert values == whole_seen[name][-len(values) :], name
+    _equal(resumed_trainer.callback_metrics, whole_trainer.callback_metrics)
+    assert digest(resumed) == digest(whole)
+
+
+# ---------------------------------------------------------------------- loaded lazily
+
+
+def _hooked(hook: str = "on_train_batch_end") -> tuple[Any, dict[str, Any], Any]:
+    """``(module, metrics, ctx)``: a module's metrics with kept states from one step, and
+    the context a hook on it gets."""
+    from types import SimpleNamespace
+
+    from purestep.loops import loop_state
+    from purestep.loops.lightning import metric_states
+
+    purestep.seed_everything(0)
+    module, _ = build_hook_metrics("purestep")
+    metrics = metric_states.register(module)
+    x, y = tensors(8)
+    metric_states.start_step(metrics, "training_step")
+    logits = module.net(x)
+    for path, metric in metrics.items():
+        if "mse" in path:
+            metric.update(logits.softmax(-1)[:, 0], (y == 0).float())
+        else:
+            metric.update(logits, y)
+    out = metric_states.end_step(module, metrics, set())
+    acc = {name: entry.value for name, entry in out.items()}
+    state = SimpleNamespace(extra={"loop": loop_state.LoopState(train_epoch=acc)})
+    return module, metrics, SimpleNamespace(state=state, world_size=1)
+
+
+def test_a_hook_loads_only_the_metrics_it_uses_and_gives_them_back_as_they_were():
+    from purestep.loops.lightning import metric_states
+
+    module, metrics, ctx = _hooked()
+    classes = {path: type(m) for path, m in metrics.items()}
+    before = {path: dict(metric_states._states(m)) for path, m in metrics.items()}
+    kept = ctx.state.extra["loop"].train_epoch
+    with metric_states.in_hook(metrics, ctx, "on_train_batch_end") as hooked:
+        list(module.parameters())  # hashes every submodule: no load for that
+        assert isinstance(module.train_acc, torchmetrics.classification.MulticlassAccuracy)
+        assert not hooked.saved
+        tp = module.train_acc.tp  # a state read directly: the kept one
+        seen = float(module.seen_mse.compute())
+    assert sorted(hooked.saved) == ["seen_mse", "train_acc"]
+    assert torch.equal(tp, kept["torchmetrics/train_acc"].states["tp"])
+    assert seen == float(kept["torchmetrics/seen_mse"].compute())
+    assert hooked.finish({}) == ({}, {})  # read only: nothing changed
+    for path, metric in metrics.items():  # every metric's class and own states back
+        assert type(metric) is classes[path]
+        now = metric_states._states(metric)
+        assert all(now[n] is before[path][n] for n in now), path
+
+
+def test_a_lazily_loaded_metric_resets_updates_and_copies_as_an_eagerly_loaded_one():
+    from purestep.loops.lightning import metric_states
+
+    module, metrics, ctx = _hooked()
+    kept = ctx.state.extra["loop"].train_epoch
+    with metric_states.in_hook(metrics, ctx, "on_train_epoch_end") as hooked:
+        module.train_acc.reset()  # its first use: writes the update count before a state
+        module.seen_mse.update(torch.ones(2), torch.zeros(2))
+        twin = copy.deepcopy(module.train_f1)  # a copy holds the kept states
+        assert type(twin) is type(module.train_f1) is torchmetrics.classification.MulticlassF1Score
+        assert torch.equal(twin.tp, kept["torchmetrics/train_f1"].states["tp"])
+        assert twin._update_count == int(kept["torchmetrics/train_f1"].updates)
+    _, changes = hooked.finish({})
+    assert changes["torchmetrics/train_acc"] is None  # reset: nothing kept
+    mse = changes["torchmetrics/seen_mse"]
+    old = kept["torchmetrics/seen_mse"]
+    assert int(mse.updates) == int(old.updates) + 1
+    assert float(mse.states["total"]) == float(old.states["total"]) + 2
+    assert "torchmetrics/train_f1" not in changes  # copied only

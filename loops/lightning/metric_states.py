@@ -19,8 +19,9 @@ Used in hooks (``update`` / ``forward`` in a step, ``compute()`` / ``reset()`` /
    (``aggregate.keep(KeptStates)``, named ``"torchmetrics/<path>"``): the loops merge it into
    the state's kept accumulator, which is the metric's states since its last ``reset()``, a
    pure function of the state that lasts across epochs, evaluations and stages;
-2. a hook runs with every metric loaded from its kept accumulator (``in_hook``), so
-   ``compute()``, ``update`` and ``reset()`` act on the states torchmetrics would hold;
+2. a hook runs with every metric loaded from its kept accumulator (``in_hook``; lazily,
+   at the hook's first use of the metric), so ``compute()``, ``update`` and ``reset()``
+   act on the states torchmetrics would hold;
 3. what the hook changed (a reset, an update) goes back as ``Requests(kept=...)``, which
    replaces or drops the accumulator: the steps after it continue from there;
 4. ``compute()`` in a hook under several processes merges every rank's states with each
@@ -32,9 +33,12 @@ So ``update`` in ``validation_step``, ``self.log("val_acc", self.val_acc.compute
 ``self.val_acc.reset()`` in ``on_validation_epoch_end`` give torchmetrics' numbers; a metric
 never reset keeps accumulating across epochs, as in torchmetrics; checkpoints hold the
 states and a resumed run computes the same. Lightning's own rules are kept too: a metric
-logged from a step starts afresh at its stage's first batch of each epoch (Lightning
-resets it after the epoch), and ``self.log(name, metric)`` in an ``on_*_epoch_end`` hook
-logs its ``compute()`` and then resets it. The sanity check leaves no trace (its updates
+logged from a step is reset when its stage's epoch ends, as Lightning resets it (its kept
+states carry the stage, ``KeptStates.dropped_after``, and the loops drop them after the
+``on_train_epoch_end`` hooks, or after an evaluation's ``on_validation_end`` /
+``on_test_end``, before the next commit point: a checkpoint there resumes the same), and
+``self.log(name, metric)`` in an ``on_*_epoch_end`` hook logs its ``compute()`` and then
+resets it. The sanity check leaves no trace (its updates
 are dropped with it; Lightning keeps them in a metric that is never reset).
 
 Refused, each with an error naming the way that works: ``compute()`` inside a step (a step
@@ -253,20 +257,26 @@ class KeptStates(M.Metric):
     """A metric's states since its last ``reset()``, kept in the TrainState (see the module
     doc): ``states`` by name, ``updates`` (torchmetrics' update count, for its warnings),
     ``ops`` how each state merges (its ``dist_reduce_fx``). A step's value with
-    ``restart=True`` (the step called ``reset()``, or the metric's logged epoch begins)
-    replaces what it is merged into instead of adding to it."""
+    ``restart=True`` (the step called ``reset()``) replaces what it is merged into instead
+    of adding to it. ``dropped_after``: the stages (``Stage.TRAIN``, ``VALIDATE``, ``TEST``)
+    whose step logged the metric during the stage's epoch: the loops drop the kept states
+    when that epoch ends (``aggregate.drop_ended``), as Lightning resets a logged metric."""
 
     states: dict[str, torch.Tensor]
     updates: torch.Tensor
     key: str = field(static=True)
     ops: tuple[tuple[str, str], ...] = field(static=True)
     restart: bool = field(static=True, default=False)
+    dropped_after: tuple[str, ...] = field(static=True, default=())
 
     def merge(self, other: KeptStates) -> KeptStates:
         if type(other) is not type(self) or other.ops != self.ops:
             raise TypeError(f"cannot merge the kept states of {self.key} with {other!r}")
+        ends = self.dropped_after
+        if other.dropped_after != ends:  # logged in this epoch by either: still so
+            ends = tuple(sorted({*ends, *other.dropped_after}))
         if other.restart:
-            return other.replace(restart=False)
+            return other.replace(restart=False, dropped_after=ends)
         merged = {}
         for name, op in self.ops:
             a, b = self.states[name], other.states[name]
@@ -275,7 +285,7 @@ class KeptStates(M.Metric):
                 if op == "sum"
                 else (torch.maximum(a, b) if op == "max" else torch.minimum(a, b))
             )
-        return self.replace(states=merged, updates=self.updates + other.updates)
+        return self.replace(states=merged, updates=self.updates + other.updates, dropped_after=ends)
 
     @classmethod
     def empty(cls, *, device: Any = None) -> KeptStates:
@@ -298,6 +308,7 @@ def _kept(
     updates: int,
     restart: bool,
     states: Mapping[str, torch.Tensor] | None = None,
+    dropped_after: tuple[str, ...] = (),
 ) -> KeptStates:
     """``states`` (by default ``metric``'s now) as ``KeptStates``, copied: the metric goes
     on changing."""
@@ -312,6 +323,7 @@ def _kept(
         key=key,
         ops=ops,
         restart=restart,
+        dropped_after=dropped_after,
     )
 
 
@@ -376,14 +388,17 @@ def start_step(metrics: Mapping[str, Any], hook: str) -> None:
         _guard(metric, path)
 
 
-def end_step(
-    module: nn.Module, metrics: Mapping[str, Any], logged: set[str], first: bool
-) -> dict[str, Any]:
+#: The stage whose epoch a step's logged metric belongs to (``KeptStates.dropped_after``).
+_STAGE_OF = {"training_step": "train", "validation_step": "validate", "test_step": "test"}
+
+
+def end_step(module: nn.Module, metrics: Mapping[str, Any], logged: set[str]) -> dict[str, Any]:
     """After a step: the kept value (``aggregate.keep``) of every metric it touched, by name.
-    ``logged``: the paths of the metrics it logged; ``first``: the step is its stage's first
-    of an epoch (a logged metric starts afresh there, as Lightning resets it at epoch end)."""
+    ``logged``: the paths of the metrics it logged: their kept states are dropped when the
+    stage's epoch ends (``KeptStates.dropped_after``), as Lightning resets them then."""
     hook, computed = _STEP.hook, _STEP.computed
     _STEP.close()
+    stage = _STAGE_OF.get(hook)
     out = {}
     for path, metric in metrics.items():
         _unguard(metric)
@@ -396,8 +411,8 @@ def end_step(
         if hook == "predict_step":
             _warn_predict(module, path)
             continue
-        restart = reset or (first and path in logged)
-        kept = _kept(metric, _key(module, path), updates, restart)
+        ends = (stage,) if stage is not None and path in logged else ()
+        kept = _kept(metric, _key(module, path), updates, reset, dropped_after=ends)
         out[KEPT_PREFIX + path] = aggregate.keep(kept)
     if computed:
         path = computed[0]
@@ -471,7 +486,11 @@ class in_hook:
     """A hook's view of the metrics: each loaded with its kept states (a copy) from
     ``state``, its ``compute()`` merging every process's states; after the hook, what it
     changed (``changes``: path -> new ``KeptStates`` or None for none) and each metric put
-    back as it was. ``finish`` turns the metric objects the hook logged into numbers."""
+    back as it was. ``finish`` turns the metric objects the hook logged into numbers.
+
+    A metric is loaded when the hook first reads or writes one of its states, update
+    counters or methods (``_deferred``): most hooks touch none, and then cost nothing per
+    metric but a class swap each way."""
 
     def __init__(self, metrics: Mapping[str, Any], ctx: Any, hook: str, view: Any = None):
         self.metrics, self.hook = metrics, hook
@@ -484,45 +503,65 @@ class in_hook:
     def __enter__(self) -> in_hook:
         self.saved: dict[str, tuple] = {}
         self.loaded: dict[str, tuple] = {}
+        self.classes: dict[str, type] = {}
         # inside a training batch (in manual optimization, inside its step): nothing loaded
         self.refuse = self.hook == "on_before_optimizer_step"
         if not self.refuse:
             _STEP.close()  # a hook runs between steps (a failed step left nothing to note)
-        acc = loop_state.get(self.state).train_epoch if self.metrics else {}
+        self.acc = loop_state.get(self.state).train_epoch if self.metrics else {}
         for path, metric in self.metrics.items():
-            if not self.refuse:
-                _unguard(metric)
-            original = metric.__dict__.get("compute") or type(metric).compute.__get__(metric)
-            self.saved[path] = (
-                _states(metric),
-                metric._update_count,
-                metric._computed,
-                metric._forward_cache,
-                metric._to_sync,
-                original,
-            )
-            if self.refuse:  # the step's own states stay: nothing is loaded
-                self.loaded[path] = (_states(metric), _versions(metric), metric._update_count)
-                metric.__dict__["compute"] = _refused(self.hook, path)
-                continue
-            kept = acc.get(KEPT_PREFIX + path)
-            if kept is None:
-                states = {n: _default(metric, n) for n in metric._defaults}
-                updates = 0
-            else:
-                states = {n: t.clone() for n, t in kept.states.items()}
-                updates = int(kept.updates)
-            _load(metric, states, updates)
-            metric._to_sync = False  # the strategy merges (``_computing``)
-            self.loaded[path] = (states, _versions(metric), updates)
-            metric.__dict__["compute"] = _computing(
-                metric, original, self.strategy, self.saved[path][4]
-            )
+            if id(metric) in _PENDING:  # an enclosing hook's, not loaded yet: now
+                _load_pending(metric)
+            cls = type(metric)
+            self.classes[path] = cls
+            _PENDING[id(metric)] = (self, path)
+            object.__setattr__(metric, "__class__", _deferred(cls, tuple(metric._defaults)))
         return self
 
+    def _load_metric(self, path: str) -> None:
+        """Load the metric at ``path`` (its first use in the hook): its class back, its
+        own states saved, the kept ones loaded (a copy) and its ``compute`` wrapped."""
+        metric = self.metrics[path]
+        object.__setattr__(metric, "__class__", self.classes[path])
+        if not self.refuse:
+            _unguard(metric)
+        original = metric.__dict__.get("compute") or type(metric).compute.__get__(metric)
+        self.saved[path] = (
+            _states(metric),
+            metric._update_count,
+            metric._computed,
+            metric._forward_cache,
+            metric._to_sync,
+            original,
+        )
+        if self.refuse:  # the step's own states stay: nothing is loaded
+            self.loaded[path] = (_states(metric), _versions(metric), metric._update_count, ())
+            metric.__dict__["compute"] = _refused(self.hook, path)
+            return
+        kept = self.acc.get(KEPT_PREFIX + path)
+        if kept is None:
+            states = {n: _default(metric, n) for n in metric._defaults}
+            updates, ends = 0, ()
+        else:
+            states = {n: t.clone() for n, t in kept.states.items()}
+            updates, ends = int(kept.updates), kept.dropped_after
+        _load(metric, states, updates)
+        metric._to_sync = False  # the strategy merges (``_computing``)
+        self.loaded[path] = (states, _versions(metric), updates, ends)
+        metric.__dict__["compute"] = _computing(
+            metric, original, self.strategy, self.saved[path][4]
+        )
+
     def __exit__(self, *exc: Any) -> None:
+        for path, metric in self.metrics.items():  # the metrics the hook never used
+            if path not in self.saved:
+                if _PENDING.get(id(metric), (None,))[0] is self:
+                    del _PENDING[id(metric)]
+                object.__setattr__(metric, "__class__", self.classes[path])
         error = None
         for path, metric in self.metrics.items():
+            if path not in self.saved:
+                continue
             states, updates, computed, cache, to_sync, original = self.saved[path]
             if exc[0] is None and error is None:
                 try:
@@ -540,14 +579,14 @@ class in_hook:
 
     def _read(self, path: str, metric: Any) -> None:
         """What the hook did to ``metric``: its states after, and a change if it made one."""
-        loaded, versions, updates = self.loaded[path]
+        loaded, versions, updates, ends = self.loaded[path]
         now = _states(metric)
         count = metric._update_count
         self.after[path] = (now, count)
         if count == updates and all(
             now[n] is loaded[n] and now[n]._version == versions[n] for n in loaded
         ):
-            return  # untouched (the usual hook)
+            return  # untouched (a hook that only read it)
         if count == updates and all(_same(now[n], loaded[n]) for n in loaded):
             return  # the same numbers (a collection's compute points its members at one)
         if self.refuse:
@@ -556,10 +595,13 @@ class in_hook:
                 "under purestep.Trainer, where the batch's update is merged after the "
                 "optimizer step; do it in on_train_batch_end or an epoch hook"
             )
+        key = _registry_key(metric, path)
         if count == 0 and all(_same(now[n], metric._defaults[n]) for n in now):
-            self.changes[path] = None  # reset: nothing kept
+            # reset: nothing kept, but that a step logged it this epoch (Lightning resets
+            # it at the epoch's end all the same: so do the updates after this one)
+            self.changes[path] = _kept(metric, key, 0, False, now, ends) if ends else None
         else:
-            self.changes[path] = _kept(metric, _registry_key(metric, path), count, False, now)
+            self.changes[path] = _kept(metric, key, count, False, now, ends)
 
     def finish(self, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``values`` with each torchmetrics object the hook logged replaced by its
@@ -588,6 +630,11 @@ class in_hook:
 
     def _value(self, path: str, metric: Any) -> torch.Tensor:
         states, count = self.after.get(path, (None, 0))
+        if states is None and path not in self.saved:  # not used by the hook: as kept
+            kept = self.acc.get(KEPT_PREFIX + path)
+            if kept is not None:
+                states = {n: t.clone() for n, t in kept.states.items()}
+                count = int(kept.updates)
         if states is None:
             states = {n: _default(metric, n) for n in metric._defaults}
         saved = (_states(metric), metric._update_count, metric._computed, metric._to_sync)
@@ -608,6 +655,76 @@ class in_hook:
                 f"{type(value).__name__}; self.log takes metrics whose value is one number"
             )
         return value.detach().reshape(())
+
+
+#: The metrics an ``in_hook`` has not loaded yet, by ``id``: (the hook's view, path).
+_PENDING: dict[int, tuple[in_hook, str]] = {}
+#: What ``in_hook`` loads a metric on the first use of, besides its states: the flags
+#: ``_load`` sets and the methods that read or reset them.
+_LOADING = ("_update_count", "_computed", "_forward_cache", "_to_sync")
+_LOADING += ("update", "compute", "forward", "reset")
+_DEFERRED: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _load_pending(metric: Any) -> None:
+    """Load a metric its ``in_hook`` deferred (its class is the ``_deferred`` one)."""
+    found = _PENDING.pop(id(metric), None)
+    if found is None:  # not a pending hook's (it failed to put it back): its class back
+        object.__setattr__(metric, "__class__", type(metric).__bases__[0])
+        return
+    owner, path = found
+    owner._load_metric(path)
+
+
+def _deferred(cls: type, names: tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose instances load themselves (``in_hook._load_metric``)
+    when one of their states (``names``), update flags or methods is read or written,
+    which gives them their class back. ``in_hook`` sets it as a metric's class for the
+    hook's length: a hook that never uses the metric costs no copy of its kept states."""
+    key = (cls, names)
+    found = _DEFERRED.get(key)
+    if found is None:
+        namespace: dict[str, Any] = {name: _loading(name) for name in (*names, *_LOADING)}
+        namespace.update(
+            __module__=cls.__module__,
+            __qualname__=cls.__qualname__,
+            __hash__=_hash_unloaded,  # named_modules() hashes modules: no load for that
+            __getstate__=_loaded_then("__getstate__"),
+            __reduce_ex__=_loaded_then("__reduce_ex__"),
+        )
+        found = _DEFERRED[key] = type(cls)(cls.__name__, (cls,), namespace)
+    return found
+
+
+def _loading(name: str) -> property:
+    def get(self: Any) -> Any:
+        _load_pending(self)
+        return getattr(self, name)
+
+    def put(self: Any, value: Any) -> None:
+        _load_pending(self)
+        setattr(self, name, value)
+
+    def delete(self: Any) -> None:
+        _load_pending(self)
+        delattr(self, name)
+
+    return property(get, put, delete)
+
+
+def _loaded_then(method: str) -> Any:
+    def call(self: Any, *args: Any) -> Any:
+        _load_pending(self)
+        return getattr(self, method)(*args)
+
+    return call
+
+
+def _hash_unloaded(self: Any) -> int:
+    """torchmetrics' ``Metric.__hash__`` (class name, id and states), of the states as
+    they are, without loading."""
+    held = self.__dict__
+    return hash((type(self).__name__, id(self), *(held[n] for n in self._defaults)))
 
 
 def _default(metric: Any, name: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ Lightning user's ``trainer.fit(model)`` followed by ``model.state_dict()`` expec
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,7 @@ from torch import nn
 from purestep.engine import checkpoint as ck
 from purestep.engine import metrics as M
 from purestep.engine.bind import Binder
-from purestep.engine.step import check_unchanged
+from purestep.engine.step import SKIP, check_unchanged
 
 from ..aggregate import Logged
 from ..events import NOTHING, Requests
@@ -73,7 +74,7 @@ class LightningTask(Task):
         self.attributes = AttributeWatch(module, hooks.base_of(module))
         for hook in hooks.DATALOADER_HOOKS:
             if hooks.overrides(module, hook) or (hook in type(module).__dict__):
-                setattr(self, hook, getattr(module, hook))
+                setattr(self, hook, self._dataloader_hook(getattr(module, hook)))
         if hooks.overrides(module, "prepare_data"):
             self.prepare_data = module.prepare_data
         #: whether a batch-end hook gets what the steps return (else they keep nothing)
@@ -82,6 +83,19 @@ class LightningTask(Task):
             for stage in ("train", "validation", "test", "predict")
         )
         self._install_event_handlers()
+
+    def _dataloader_hook(self, hook: Callable[[], Any]) -> Callable[[], Any]:
+        """``hook`` (the module's ``train_dataloader`` ...) seeing the latest state's
+        counters: a reload at an epoch's start reads that epoch, as in Lightning."""
+
+        def call() -> Any:
+            if self.view is not None:
+                self.view.observe_latest()
+            return hook()
+
+        call.__name__ = hook.__name__
+        call.__wrapped__ = hook  # type: ignore[attr-defined]
+        return call
 
     @staticmethod
     def _plain_hparams(module: nn.Module) -> dict[str, Any]:
@@ -169,8 +183,8 @@ class LightningTask(Task):
     def _read_metrics(self, logged: dict[str, Logged]) -> dict[str, Logged]:
         """Logged torchmetrics objects as their states after the step (``snapshot``), and
         the states of every metric the step touched as kept values (``metric_states``:
-        what a hook's ``compute()`` sees)."""
-        paths = {id(m): p for p, m in self.metrics.items()}
+        what a hook's ``compute()`` sees; a logged metric's are dropped at the stage's
+        epoch end, as Lightning resets it)."""
         logged_paths = set()
         for name, entry in logged.items():
             if isinstance(entry, Logged) and metric_states.is_torchmetric(entry.value):
@@ -180,10 +194,10 @@ class LightningTask(Task):
                         f"self.log({name!r}, metric): the metric must be an attribute of "
                         f"{type(self.module).__name__} (a submodule), as Lightning requires"
                     )
-                logged_paths.add(paths.get(id(entry.value)))
+                path = next((p for p, m in self.metrics.items() if m is entry.value), None)
+                logged_paths.add(path)
                 logged[name] = entry.replace(value=metric_states.snapshot(entry.value, key))
-        first = self._batch_idx == 0 and self._dataloader_idx == 0  # its stage's epoch begins
-        logged.update(metric_states.end_step(self.module, self.metrics, logged_paths, first))
+        logged.update(metric_states.end_step(self.module, self.metrics, logged_paths))
         return logged
 
     def training_step(self, apply: nn.Module, batch: Any) -> Any:
@@ -203,7 +217,7 @@ class LightningTask(Task):
                 )
             out = out["loss"]
         if out is None:  # Lightning's way to skip the batch: no gradient, no update
-            return None, logged
+            return SKIP, logged
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"{type(self.module).__name__}.training_step must return the loss tensor or a "
@@ -407,8 +421,18 @@ class LightningTask(Task):
 
 
 def _is_minus_one(value: Any) -> bool:
-    """Whether a hook returned -1 (an int: Lightning compares ``response == -1``)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value == -1
+    """Whether a hook returned -1, as Lightning's ``response == -1`` reads it: an int, a
+    one-element tensor or a numpy number (not a bool, not a container)."""
+    if value is None or isinstance(value, bool):
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value.reshape(()) == -1)
+    if isinstance(value, numbers.Number) or hasattr(value, "dtype"):  # numpy scalars too
+        try:
+            return bool(value == -1)
+        except (TypeError, ValueError):
+            return False
+    return False
 
 
 def _torch_optimizers(output: Any) -> list[Any]:

@@ -28,20 +28,30 @@ _STAGE_FLAGS = {
 class TrainerView:
     """What a module's ``self.trainer`` returns while the purestep Trainer runs it."""
 
-    __slots__ = ("_trainer", "epoch", "global_step", "stage", "stop_requested")
+    __slots__ = ("_trainer", "epoch", "live", "stage", "step", "stop_requested")
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, *, live: bool = False) -> None:
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "epoch", 0)
-        object.__setattr__(self, "global_step", 0)
+        object.__setattr__(self, "step", 0)
         object.__setattr__(self, "stage", None)
         object.__setattr__(self, "stop_requested", False)
+        #: read the counters from the trainer's latest state at each access, not from the
+        #: last ``observe`` (a data module's view: its hooks run between the loop's steps)
+        object.__setattr__(self, "live", live)
 
     def observe(self, progress: Any, stage: str | None) -> None:
         """Record the state's counters and the stage at an event (the adapter calls it)."""
         object.__setattr__(self, "epoch", int(progress.epoch))
-        object.__setattr__(self, "global_step", int(progress.step))
+        object.__setattr__(self, "step", int(progress.step))
         object.__setattr__(self, "stage", stage)
+
+    def observe_latest(self) -> None:
+        """Record the counters of the trainer's latest state (before a dataloader hook:
+        a reload at an epoch's start sees that epoch, as in Lightning)."""
+        trainer = self._trainer
+        object.__setattr__(self, "epoch", int(trainer.current_epoch))
+        object.__setattr__(self, "step", int(trainer.global_step))
 
     def take_stop(self) -> bool:
         """Whether ``should_stop = True`` was set since the last call."""
@@ -51,14 +61,19 @@ class TrainerView:
 
     @property
     def current_epoch(self) -> int:
-        return self.epoch
+        return int(self._trainer.current_epoch) if self.live else self.epoch
+
+    @property
+    def global_step(self) -> int:
+        return int(self._trainer.global_step) if self.live else self.step
 
     @property
     def is_last_batch(self) -> bool:
-        """Whether the batch the loop is at is its epoch's (or its dataloader's) last."""
+        """Whether the training batch the loop is at is its epoch's last (Lightning's: the
+        training loop's, during a validation inside it too; True once a -1 ended it)."""
         driver = getattr(self._trainer, "_driver", None)
-        position = driver.position if driver is not None else None
-        return position is not None and position.batch_idx + 1 == position.num_batches
+        position = getattr(driver, "train_position", None)
+        return position is not None and position.is_last
 
     @property
     def lightning_module(self) -> Any:
@@ -72,7 +87,8 @@ class TrainerView:
     def __getattr__(self, name: str) -> Any:
         for flag, stages in _STAGE_FLAGS.items():
             if name == flag:
-                return self.stage in stages
+                stage = self._trainer.stage if self.live else self.stage
+                return stage in stages
         if name.startswith("_"):
             raise AttributeError(name)
         try:
@@ -100,4 +116,5 @@ class TrainerView:
         return True
 
     def __repr__(self) -> str:
-        return f"TrainerView({self._trainer!r}, epoch={self.epoch}, step={self.global_step})"
+        epoch, step = self.current_epoch, self.global_step
+        return f"TrainerView({self._trainer!r}, epoch={epoch}, step={step})"
