@@ -700,7 +700,9 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         if self.donate and output.metrics:
             from .step import _unaliased
 
-            output = output.replace(metrics=_unaliased(output.metrics, state))
+            safe = _unaliased(output.metrics, state)
+            if safe is not output.metrics:  # the usual: nothing shared, no new output
+                output = output.replace(metrics=safe)
         new_state = state.replace(
             params=fused.params,
             opt_state=fused.opt_state,

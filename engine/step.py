@@ -175,12 +175,16 @@ def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
+def _detached_value(v: Any) -> Any:
+    if type(v) is Tensor:  # the usual: a plain tensor, often detached already
+        return v.detach() if v.requires_grad else v
+    return v.detach() if isinstance(v, Tensor) else map(_detach, v)
+
+
 def detached(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics with every tensor detached (values may be tensors or pytrees of tensors)."""
-    return {
-        k: v.detach() if isinstance(v, torch.Tensor) else map(_detach, v)
-        for k, v in metrics.items()
-    }
+    """Metrics with every tensor detached (values may be tensors or pytrees of tensors); a
+    plain tensor that needs no gradient is kept as it is (it has no graph to cut)."""
+    return {k: _detached_value(v) for k, v in metrics.items()}
 
 
 def _storage(t: Tensor) -> int:
@@ -206,8 +210,16 @@ def _unaliased(metrics: dict[str, Any], state: TrainState) -> dict[str, Any]:
         tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
     if not tensors:
         return metrics
-    owned = {_storage(t) for t in state.params.values()}
-    if not any(_storage(t) in owned for t in tensors):
+    owned = {
+        p.untyped_storage().data_ptr()
+        if type(p) is nn.Parameter or type(p) is Tensor
+        else _storage(p)
+        for p in state.params.values()
+    }
+    if not any(
+        (t.untyped_storage().data_ptr() if type(t) is Tensor else _storage(t)) in owned
+        for t in tensors
+    ):
         return metrics
 
     def copy_if_shared(x: Any) -> Any:
@@ -655,7 +667,9 @@ class TrainStep:
         buffers = state.buffers
         if grads.finite and values:
             if self.donate and output.metrics:
-                output = output.replace(metrics=_unaliased(output.metrics, state))
+                safe = _unaliased(output.metrics, state)
+                if safe is not output.metrics:  # the usual: nothing shared, no new output
+                    output = output.replace(metrics=safe)
             skips = skip_count()
             new_params, opt_state = self._update(state, values, norms)
             if skip_count() != skips:  # skip_nonfinite skipped the update

@@ -51,8 +51,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from purestep.engine import checkpoint as ck
+from purestep.engine import tree
 from purestep.engine.state import TrainState
 
+from . import loop_state
 from .callbacks.checkpoint import ModelCheckpoint
 from .task import saved_data
 
@@ -63,6 +65,10 @@ PREEMPTED_EXIT_CODE = 75
 CKPT_KEYWORDS = ("last", "best")
 # Lightning keywords this Trainer does not have.
 _UNSUPPORTED_KEYWORDS = {"hpc": "Lightning's SLURM checkpoint keyword, not available yet"}
+
+
+#: Where a DDP checkpoint holds every rank's epoch accumulators (``TrainState.extra``).
+RANK_ACCUMULATORS = "loop_ranks"
 
 
 class Preempted(SystemExit):
@@ -169,6 +175,7 @@ class Checkpointing:
             ck.sharded.save(state, path, metadata=meta)
             self.strategy.barrier()
             return
+        state = self._with_rank_accumulators(state)  # every rank: a collective
         if self.strategy.is_primary:
             folder = path.rstrip("/").rsplit("/", 1)[0] if "/" in path else "."
             if folder not in self._cleaned:
@@ -180,6 +187,28 @@ class Checkpointing:
             else:
                 ck.save(state, path, metadata=meta)
         self.strategy.barrier()
+
+    def _with_rank_accumulators(self, state: Any) -> Any:
+        """Under DDP, ``state`` with every rank's epoch accumulators beside rank 0's own
+        (``LoopState.train_epoch``: the epoch means and a Lightning-style module's kept
+        metric states, each rank's own until the epoch's end merges them), so that each
+        rank of a resumed run continues from its own (``_own_rank_accumulators``), not from
+        rank 0's. Every rank saves (the barrier after the write needs them all), so the
+        gather is one more collective at a point they all reach."""
+        strategy = self.strategy
+        if strategy.world_size <= 1 or not isinstance(state, TrainState):
+            return state
+        # as leaves (tensors and numbers): the accumulators' classes may be made at run time
+        own = loop_state.get(state).train_epoch
+        structure = tree.structure(own)
+        gathered = strategy.all_gather_object((repr(structure), tree.leaves(own)))
+        if not strategy.is_primary:
+            return state
+        if any(shape != repr(structure) for shape, _ in gathered):  # ranks logged otherwise
+            return state
+        accumulators = [tree.unflatten(structure, values) for _, values in gathered]
+        ranks = {"world_size": strategy.world_size, "train_epoch": accumulators}
+        return state.replace(extra={**state.extra, RANK_ACCUMULATORS: ranks})
 
     def wait(self) -> None:
         """Block until an asynchronous write is done (a run never ends with one in flight)."""
@@ -405,6 +434,7 @@ class Checkpointing:
                 f"{url} holds weights only and cannot resume training; start from its weights "
                 "with engine.checkpoint.load_weights(state, path, model)"
             )
+        loaded = self._own_rank_accumulators(loaded, url)
         if not ck.sharded.is_sharded_checkpoint(url):
             loaded = ck.conform(loaded, fresh, url=url)
             if _sharded(fresh) and not _sharded(loaded):  # a plain file into FSDP ranks
@@ -420,6 +450,29 @@ class Checkpointing:
                 stacklevel=3,
             )
         return loaded, meta
+
+    def _own_rank_accumulators(self, loaded: TrainState, url: str) -> TrainState:
+        """``loaded`` with this rank's epoch accumulators from a DDP checkpoint (see
+        ``_with_rank_accumulators``); at another world size every rank keeps rank 0's, as a
+        checkpoint without them gives, with a warning that the epoch cut by the checkpoint
+        logs values of rank 0's part only."""
+        ranks = loaded.extra.get(RANK_ACCUMULATORS)
+        if ranks is None:
+            return loaded
+        extra = {k: v for k, v in loaded.extra.items() if k != RANK_ACCUMULATORS}
+        loaded = loaded.replace(extra=extra)
+        world_size, rank = self.strategy.world_size, self.strategy.rank
+        if ranks.get("world_size") != world_size:
+            warnings.warn(
+                f"{url} was written by {ranks.get('world_size')} processes and this run has "
+                f"{world_size}: every rank resumes the interrupted epoch's accumulators of "
+                "rank 0 (the values logged for that epoch cover rank 0's part of it)",
+                stacklevel=3,
+            )
+            return loaded
+        loop = loop_state.get(loaded)
+        own = ranks["train_epoch"][rank]
+        return loop_state.put(loaded, loop.replace(train_epoch=own))
 
     def load_for_eval(self, url: str, fresh: TrainState, *, with_metadata: bool = False) -> Any:
         """``fresh`` with the parameters and buffers of ``url`` (a full or weights-only

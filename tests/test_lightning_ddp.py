@@ -22,7 +22,42 @@ def _val() -> TensorDataset:
     return TensorDataset(x[:32], y[:32])  # 16 a rank: no sample padded in twice
 
 
-def _rank_main(rank: int) -> dict:
+def _resumed_mid_epoch(folder: str, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The metrics model for 2 epochs, whole and stopped after 5 steps (mid epoch 1, its
+    epoch means and metric states half-way on each rank) then resumed: callback_metrics of
+    both runs."""
+    import purestep
+    from purestep.loops.callbacks import ModelCheckpoint
+
+    out = {}
+    for name, flags, ckpt in (
+        ("whole", {}, None),
+        ("stopped", {"max_steps": 5}, None),
+        ("resumed", {}, "last"),
+    ):
+        purestep.seed_everything(0)
+        run = f"{folder}/{'whole' if name == 'whole' else 'cut'}"
+        saver = ModelCheckpoint(dirpath=run, save_last=True, save_top_k=0, every_n_train_steps=1)
+        trainer = purestep.Trainer(
+            max_epochs=2,
+            strategy=hardware.ddp(),
+            num_sanity_val_steps=0,
+            default_root_dir=run,
+            callbacks=[saver],
+            **{**QUIET, "enable_checkpointing": True},
+            **flags,
+        )
+        trainer.fit(
+            metrics_class("purestep")(),
+            DataLoader(TensorDataset(x, y), batch_size=6),
+            DataLoader(_val(), batch_size=8),
+            ckpt_path=ckpt,
+        )
+        out[name] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    return out
+
+
+def _rank_main(rank: int, folder: str) -> dict:
     import purestep
 
     purestep.seed_everything(0)
@@ -56,7 +91,9 @@ def _rank_main(rank: int) -> dict:
         purestep.Trainer(max_epochs=1, strategy=hardware.ddp(), **QUIET).fit(
             skipping, DataLoader(TensorDataset(x, y), batch_size=6)
         )
+    resumed = _resumed_mid_epoch(folder, x, y)
     return {
+        "resumed": resumed,
         "end_steps": end_trainer.global_step,
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "val_acc": trainer.callback_metrics["val_acc"].clone(),
@@ -88,10 +125,17 @@ def _ending_on_rank_zero(skip: bool = False):
     return Ending()
 
 
-def test_epoch_values_merge_both_ranks_states_as_torchmetrics_would():
+def test_epoch_values_merge_both_ranks_states_as_torchmetrics_would(tmp_path):
     import torchmetrics
 
-    first, second = hardware.launch(_rank_main, 2, max_seconds=150, timeout=30)
+    first, second = hardware.launch(_rank_main, 2, str(tmp_path), max_seconds=150, timeout=30)
+    # resumed mid-epoch, each rank from its own accumulators: the epoch values are the
+    # uninterrupted run's bitwise (rank 0's on both ranks would count its half twice)
+    for result in (first, second):
+        whole, resumed = result["resumed"]["whole"], result["resumed"]["resumed"]
+        assert whole.keys() == resumed.keys() and "train_acc_epoch" in whole
+        for name in whole:
+            assert torch.equal(resumed[name], whole[name]), name
     assert first["end_steps"] == second["end_steps"] == 2  # one batch an epoch, both ranks
     for key in first["params"]:
         assert torch.equal(first["params"][key], second["params"][key]), key

@@ -68,7 +68,20 @@ class AttributeWatch:
 
     def fingerprints(self) -> dict[str, Any]:
         attributes = self.module.__dict__
-        return {k: _fingerprint(attributes[k]) for k in attributes.keys() - self.internal}
+        self._size = len(attributes)
+        self._user = [k for k in attributes if k not in self.internal]
+        return {k: _fingerprint(attributes[k]) for k in self._user}
+
+    def _now(self) -> dict[str, Any]:
+        """The fingerprints, cheaply when no attribute was added or removed since the last
+        look (the usual step: then only the user's attributes are looked at)."""
+        attributes = self.module.__dict__
+        if len(attributes) != self._size:
+            return self.fingerprints()
+        try:
+            return {k: _fingerprint(attributes[k]) for k in self._user}
+        except KeyError:  # one removed and another added
+            return self.fingerprints()
 
     def accept(self) -> None:
         """What the attributes are now is the module's own (after attaching, after a
@@ -76,7 +89,7 @@ class AttributeWatch:
         self.seen = self.fingerprints()
 
     def check(self, where: str) -> None:
-        now = self.fingerprints()
+        now = self._now()
         if now == self.seen:
             return
         changed = sorted(k for k in set(now) | set(self.seen) if now.get(k) != self.seen.get(k))

@@ -108,6 +108,8 @@ def batch_size_of(batch: Any) -> int:
 
 def _value(value: Any, name: str) -> Any:
     """A loggable value: a number, a one-element tensor, or a metric with ``compute``."""
+    if type(value) is torch.Tensor and value.dim() == 0:  # the usual: a scalar tensor
+        return value.detach()
     if isinstance(value, bool) or value is None:
         raise ValueError(f"self.log({name!r}, {value!r}): log a number or a one-element tensor")
     if isinstance(value, numbers.Real):
@@ -137,19 +139,24 @@ class LogBuffer:
         self._batch: Any = None
         self._outer: list[tuple] = []  # the hooks a nested one runs inside (manual opt.step)
         self._values: dict[str, Logged | torch.Tensor] = {}
+        #: whether the last hook's values (``take``) hold a metric object (a torchmetrics
+        #: or engine metric), which the adapter then reads
+        self.took_metric = False
+        self._metric = False
 
     def open(self, hook: str, batch: Any = None) -> None:
         """Start recording for ``hook``; ``batch`` gives the default ``batch_size``."""
         if self.hook is not None:  # a hook inside a step (manual mode's optimizer step)
-            self._outer.append((self.hook, self._values, self._batch))
-        self.hook, self._values, self._batch = hook, {}, batch
+            self._outer.append((self.hook, self._values, self._batch, self._metric))
+        self.hook, self._values, self._batch, self._metric = hook, {}, batch, False
 
     def take(self) -> dict[str, Logged | torch.Tensor]:
         """What was logged since ``open``: ``Logged`` values, or plain tensors where the
         loop's defaults for the name are Lightning's (``train_*`` per step)."""
         values, self._values, self.hook = self._values, {}, None
+        self.took_metric, self._metric = self._metric, False
         if self._outer:
-            self.hook, self._values, self._batch = self._outer.pop()
+            self.hook, self._values, self._batch, self._metric = self._outer.pop()
         return values
 
     def log(
@@ -205,7 +212,9 @@ class LogBuffer:
             )
         raw = _value(value, name)
         weighted = reduce_fx in ("mean", "avg", torch.mean)
-        if on_epoch and weighted and not (isinstance(raw, M.Metric) or is_torchmetric(raw)):
+        if type(raw) is not torch.Tensor and (isinstance(raw, M.Metric) or is_torchmetric(raw)):
+            self._metric = True
+        elif on_epoch and weighted:
             if batch_size is None:  # Lightning infers it from the batch
                 batch_size = batch_size_of(self._batch) if self._batch is not None else 1
             raw = LightningMean.of(raw, batch_size or 1)

@@ -46,9 +46,9 @@ sees its batch only: use what ``forward`` returns, ``value = self.acc(preds, y)`
 compute in an epoch hook); ``compute()``, ``reset()`` or ``update`` in
 ``on_before_optimizer_step`` (the batch's update is not merged yet); ``self.log(name,
 metric)`` in a hook other than ``on_*_epoch_end``. Updates in ``predict_step`` are not kept
-(a warning says so). Under DDP each rank keeps its own states, and a checkpoint holds rank
-0's (as for the loop's other per-rank accumulators): a metric never reset, resumed under
-DDP, counts rank 0's part on every rank.
+(a warning says so). Under DDP each rank keeps its own states, and a checkpoint holds
+every rank's (``loops.resume``: the loop's per-rank accumulators are gathered when it is
+written), so each rank of a resumed run continues from its own.
 
 States that are lists (``dist_reduce_fx="cat"``: AUROC without thresholds and the like),
 averaged (``"mean"``) or reduced by a custom function are refused, naming the metric:

@@ -171,13 +171,17 @@ class LightningTask(Task):
     def _run_step(
         self, hook: str, batch: Any, fn: Callable[[], Any]
     ) -> tuple[Any, dict[str, Logged]]:
-        metric_states.start_step(self.metrics, hook)  # each step updates its batch's only
+        metrics = self.metrics
+        if metrics:
+            metric_states.start_step(metrics, hook)  # each step updates its batch's only
         self.logs.open(hook, batch)
         try:
             out = fn()
         finally:
             logged = self.logs.take()
         self.attributes.check(hook)
+        if not metrics and not self.logs.took_metric:  # no torchmetrics: nothing to read
+            return out, logged
         return out, self._read_metrics(logged)
 
     def _read_metrics(self, logged: dict[str, Logged]) -> dict[str, Logged]:
