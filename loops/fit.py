@@ -468,7 +468,9 @@ class FitLoop:
                 batch_idx=batch_idx,
                 num_batches=num,
             )
-            if drv.world_size > 1:  # one rank's request ends every rank's epoch
+            if drv.world_size > 1 and drv.handlers("on_train_batch_start"):
+                # one rank's request ends every rank's epoch (only handlers can ask: every
+                # rank has the same callbacks, so all take this collective or none)
                 drv.end_epoch = drv.strategy.reduce_flag(drv.end_epoch, "any")
             if drv.end_epoch:
                 drv.end_epoch = False

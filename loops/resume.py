@@ -50,6 +50,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from purestep.engine import checkpoint as ck
 from purestep.engine import tree
 from purestep.engine.state import TrainState
@@ -201,10 +203,17 @@ class Checkpointing:
         # as leaves (tensors and numbers): the accumulators' classes may be made at run time
         own = loop_state.get(state).train_epoch
         structure = tree.structure(own)
-        gathered = strategy.all_gather_object((repr(structure), tree.leaves(own)))
+        leaves = [x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in tree.leaves(own)]
+        gathered = strategy.all_gather_object((repr(structure), leaves))  # CPU: any device
         if not strategy.is_primary:
             return state
         if any(shape != repr(structure) for shape, _ in gathered):  # ranks logged otherwise
+            warnings.warn(
+                "the ranks' epoch accumulators differ in their names (a "
+                "value logged on some ranks only): the checkpoint keeps rank 0's, which a "
+                "resumed run gives every rank (its epoch values then cover rank 0's part)",
+                stacklevel=3,
+            )
             return state
         accumulators = [tree.unflatten(structure, values) for _, values in gathered]
         ranks = {"world_size": strategy.world_size, "train_epoch": accumulators}

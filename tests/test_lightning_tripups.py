@@ -231,3 +231,17 @@ def test_task_hooks_of_other_shapes_are_checked_and_right_ones_pass():
 
     state = _fit(_trainer(callbacks=[FineCallback()]), Fine())
     assert state.callbacks["task"] == {"ends": 2}
+
+
+def test_an_attribute_added_while_another_goes_is_still_reported():
+    """The attribute watch's fast path (no name added or removed: look at the user's
+    attributes only) must not miss a new attribute that came with a removed one."""
+    from purestep.loops.lightning.attributes import AttributeWatch
+
+    module = torch.nn.Linear(2, 2)
+    module.log = lambda *args: None  # attached by the adapter, internal
+    watch = AttributeWatch(module, torch.nn.Module)
+    del module.__dict__["log"]
+    module.outputs = []
+    with pytest.warns(UserWarning, match=r"changed the Python attributes \['outputs'\]"):
+        watch.check("training_step")

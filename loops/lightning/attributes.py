@@ -68,7 +68,7 @@ class AttributeWatch:
 
     def fingerprints(self) -> dict[str, Any]:
         attributes = self.module.__dict__
-        self._size = len(attributes)
+        self._names = set(attributes)
         self._user = [k for k in attributes if k not in self.internal]
         return {k: _fingerprint(attributes[k]) for k in self._user}
 
@@ -76,12 +76,9 @@ class AttributeWatch:
         """The fingerprints, cheaply when no attribute was added or removed since the last
         look (the usual step: then only the user's attributes are looked at)."""
         attributes = self.module.__dict__
-        if len(attributes) != self._size:
+        if attributes.keys() != self._names:
             return self.fingerprints()
-        try:
-            return {k: _fingerprint(attributes[k]) for k in self._user}
-        except KeyError:  # one removed and another added
-            return self.fingerprints()
+        return {k: _fingerprint(attributes[k]) for k in self._user}
 
     def accept(self) -> None:
         """What the attributes are now is the module's own (after attaching, after a
