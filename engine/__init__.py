@@ -9,8 +9,9 @@ the checkpoints' and the metrics' as well. ``from purestep.engine import train_s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import exports
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from . import checkpoint, compile, metrics, optim, per_sample, rng, tree
@@ -125,15 +126,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module_name, attribute = _LAZY[name]
-    module = importlib.import_module(module_name, __name__)
-    value = module if attribute is None else getattr(module, attribute)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = exports(__name__, _LAZY, globals())

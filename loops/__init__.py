@@ -23,10 +23,11 @@ same names stay importable (``from purestep.loops.fit import FitLoop``).
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import Any
+
+from purestep.engine.lazy import exports
 
 #: Where each name lives: ``name -> (module, attribute)``, the module itself when the
 #: attribute is None. Everything is imported on first use, so ``import
@@ -145,15 +146,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module_name, attribute = _LAZY[name]
-    module = importlib.import_module(module_name, __name__)
-    value = module if attribute is None else getattr(module, attribute)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = exports(__name__, _LAZY, globals())

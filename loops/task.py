@@ -66,6 +66,7 @@ __all__ = [
     "Task",
     "datamodule_base",
     "is_datamodule",
+    "lightning_classes",
     "restore_callback_data",
     "restore_task_data",
     "saved_data",
@@ -372,15 +373,20 @@ class DataModule:
         """Restore what ``state_dict`` returned (a run starting from a checkpoint)."""
 
 
-def _lightning_datamodule_bases() -> tuple[type, ...]:
-    """The real ``LightningDataModule`` classes already imported (a subclass of one can only
-    exist then), so purestep never imports ``lightning`` itself."""
+def lightning_classes(name: str) -> tuple[type, ...]:
+    """The real Lightning classes ``name`` (``"LightningModule"``, ``"LightningDataModule"``)
+    of ``lightning.pytorch`` and the older ``pytorch_lightning``, those already imported (a
+    subclass of one can only exist then), so purestep never imports ``lightning`` itself."""
     found = []
-    for name in ("lightning.pytorch", "pytorch_lightning"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "LightningDataModule"):
-            found.append(module.LightningDataModule)
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        module = sys.modules.get(package)
+        if module is not None and hasattr(module, name):
+            found.append(getattr(module, name))
     return tuple(found)
+
+
+def _lightning_datamodule_bases() -> tuple[type, ...]:
+    return lightning_classes("LightningDataModule")
 
 
 def is_datamodule(obj: Any) -> bool:

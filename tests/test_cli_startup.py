@@ -120,6 +120,7 @@ def test_import_purestep_and_its_packages_load_nothing_else(tmp_path):
     assert sorted(ours) == [
         "purestep",
         "purestep.engine",
+        "purestep.engine.lazy",  # the packages' lazy re-exports (no import of its own)
         "purestep.loops",
         "purestep.loops.callbacks",
         "purestep.loops.loggers",

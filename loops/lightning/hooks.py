@@ -9,13 +9,13 @@ starts, that every overridden hook takes the arguments Lightning passes.
 from __future__ import annotations
 
 import inspect
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+from ..task import lightning_classes
 from .module import LightningModule as BaseModule
 
 __all__ = [
@@ -92,15 +92,8 @@ _NOT_CALLED = frozenset(
 
 
 def _lightning_bases() -> tuple[type, ...]:
-    """The real ``LightningModule`` classes already imported (``lightning.pytorch`` and the
-    older ``pytorch_lightning``; a subclass of one can only exist then), so purestep never
-    imports them."""
-    found = []
-    for name in ("lightning.pytorch", "pytorch_lightning"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "LightningModule"):
-            found.append(module.LightningModule)
-    return tuple(found)
+    """The real ``LightningModule`` classes already imported (``task.lightning_classes``)."""
+    return lightning_classes("LightningModule")
 
 
 def is_lightning_module(obj: Any) -> bool:

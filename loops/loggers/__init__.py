@@ -16,8 +16,9 @@ purestep.loops.loggers import Logger`` or ``CSVLogger`` does not import tensorbo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from purestep.engine.lazy import exports
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from .base import STATUSES, FolderLogger, Logger
@@ -68,14 +69,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name], __name__)
-    value = getattr(module, name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = exports(__name__, _LAZY, globals())
