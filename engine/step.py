@@ -125,14 +125,7 @@ class Gradients:
 
 
 class _Skip:
-    """The type of ``SKIP`` (one instance)."""
-
-    _instance: _Skip | None = None
-
-    def __new__(cls) -> _Skip:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    """The type of ``SKIP`` (one instance: copies and pickles give ``SKIP`` itself)."""
 
     def __repr__(self) -> str:
         return "engine.SKIP"
@@ -210,16 +203,8 @@ def _unaliased(metrics: dict[str, Any], state: TrainState) -> dict[str, Any]:
         tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
     if not tensors:
         return metrics
-    owned = {
-        p.untyped_storage().data_ptr()
-        if type(p) is nn.Parameter or type(p) is Tensor
-        else _storage(p)
-        for p in state.params.values()
-    }
-    if not any(
-        (t.untyped_storage().data_ptr() if type(t) is Tensor else _storage(t)) in owned
-        for t in tensors
-    ):
+    owned = {_storage(p) for p in state.params.values()}
+    if not any(_storage(t) in owned for t in tensors):
         return metrics
 
     def copy_if_shared(x: Any) -> Any:
