@@ -617,12 +617,26 @@ class FitLoop:
         return f"epoch {p.epoch}, batch {self._batch_idx}, global step {p.step}"
 
     def _check_finite_loss(self, loss: torch.Tensor | None) -> None:
-        if loss is not None and not bool(torch.isfinite(loss).all()):
-            raise NonFiniteLossError(
-                f"terminate_on_nan: the loss returned by the training step is {loss.item()} "
-                f"({self._where()}); training stopped before the optimizer update, so the "
-                "state and the last checkpoint hold no NaN"
-            )
+        """``terminate_on_nan``'s check of the step's loss, agreed across ranks (one small
+        all-reduce a step): a NaN on one rank stops every rank with the same error, naming
+        the rank, instead of leaving the others to fail in their next collective."""
+        bad = loss is not None and not bool(torch.isfinite(loss).all())
+        drv = self.driver
+        if drv.world_size > 1:
+            if not drv.strategy.reduce_flag(bad, "any"):
+                return
+            seen = drv.strategy.all_gather_object(loss.item() if bad else None)
+            found = [(r, v) for r, v in enumerate(seen) if v is not None]
+        elif not bad:
+            return
+        else:
+            found = [(None, loss.item())]
+        where = ", ".join(f"{v} on rank {r}" if r is not None else f"{v}" for r, v in found)
+        raise NonFiniteLossError(
+            f"terminate_on_nan: the loss returned by the training step is {where} "
+            f"({self._where()}); training stopped before the optimizer update, so the "
+            "state and the last checkpoint hold no NaN"
+        )
 
     def _inspect_gradients(self, grads: Any) -> None:
         """``track_grad_norm``'s norms of the gradients the optimizer is about to use and
@@ -643,7 +657,11 @@ class FitLoop:
             if drv.world_size > 1:
                 stop = drv.strategy.reduce_flag(stop, "any")
             if stop:
-                bad = [n for n, ok in zip(names, finite) if not ok] or "another rank's shards"
+                bad = [n for n, ok in zip(names, finite) if not ok]
+                if drv.world_size > 1:  # name the ranks whose gradients (or shards) hold it
+                    held = drv.strategy.all_gather_object(bool(bad))
+                    ranks = [r for r, b in enumerate(held) if b]
+                    bad = f"{bad or 'the shards of another rank'} (on rank(s) {ranks})"
                 raise NonFiniteLossError(
                     f"terminate_on_nan: detected nan and/or inf values in the gradients of "
                     f"{bad} ({self._where()}); training stopped before the optimizer update, "

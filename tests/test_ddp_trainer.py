@@ -65,11 +65,47 @@ def _fit(strategy, batch_size: int, stop_rank: int | None = None):
     return state, logger, trainer
 
 
+_NAN_SEEN: list[int] = []  # in each rank's process: the batches whose loss was not finite
+
+
+def _loss_noting_nan(apply, batch):
+    loss = _loss(apply, batch)
+    if not bool(torch.isfinite(loss)):
+        _NAN_SEEN.append(1)
+    return loss
+
+
+def _nan_on_one_rank(strategy) -> str | None:
+    """A fit whose data holds one NaN sample: it reaches one rank's batch only."""
+    from purestep.loops.fit import NonFiniteLossError
+
+    data = _data(48, 0)
+    data.tensors[0][21] = float("nan")
+    trainer = Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        terminate_on_nan=True,
+        strategy=strategy,
+    )
+    try:
+        trainer.fit(mlp(seed=0), _loss_noting_nan, optim.sgd(0.1), DataLoader(data, batch_size=B))
+    except NonFiniteLossError as err:
+        return str(err)
+    return None
+
+
 def _rank_main(rank: int) -> dict:
     strategy = hardware.ddp()
     state, logger, trainer = _fit(strategy, B)
     stopped, _, _ = _fit(strategy, B, stop_rank=1)
+    nan_error = _nan_on_one_rank(strategy)
     return {
+        "nan_error": nan_error,
+        "nan_seen": len(_NAN_SEEN),
         "params": {k: v.clone() for k, v in state.params.items()},
         "step": state.progress.step,
         "rows": len(logger.metrics),
@@ -87,6 +123,16 @@ def ranks():
 def test_both_ranks_end_with_the_same_state(ranks):
     tree.assert_trees_equal(ranks[0]["params"], ranks[1]["params"])
     assert ranks[0]["step"] == ranks[1]["step"] == 2 * (48 // (2 * B))
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_same_error(ranks):
+    """terminate_on_nan agreed across ranks: the healthy rank raises NonFiniteLossError
+    too (not a collective error when its peer leaves), naming the rank and batch."""
+    (nan_rank,) = [r for r in (0, 1) if ranks[r]["nan_seen"]]
+    errors = [ranks[r]["nan_error"] for r in (0, 1)]
+    assert all(e is not None for e in errors), errors
+    assert errors[0] == errors[1]
+    assert f"nan on rank {nan_rank} (epoch 0, batch " in errors[0]
 
 
 def test_ddp_equals_one_process_with_the_combined_batch(ranks):
