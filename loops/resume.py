@@ -8,11 +8,18 @@ task hparams and checkpoint hooks' data (``loops.task``: ``saved_data``; the res
 is ``restore_task_data`` / ``restore_callback_data``). Only the primary process writes (and
 runs the save hooks); the others wait at a barrier. A sharded state (``hardware.fsdp``) is
 written by every rank, each its own shard (``engine.checkpoint.sharded``: a folder, rank 0
-commits it; the temporary folders of killed writers are removed before the first write to
-a folder), and restored laid out like the fresh state, at any world size; ``"last"`` finds
-committed sharded folders (checked, not read, by rank 0; every rank then loads its shard),
-and an evicted one is deleted only if it is a committed purestep folder inside its
-checkpoint folder.
+commits it, so that a committed version of its name exists at every instant), and restored
+laid out like the fresh state, at any world size; ``"last"`` finds committed sharded
+folders (checked, not read, by rank 0; every rank then loads its shard), a name's newest
+committed state included where a killed save left it in a hidden folder (an explicit path
+resolves to it too, with a message; rank 0 resolves it for every rank, so no two ranks
+load shards of two versions), and an evicted one is deleted only if it is a committed
+purestep folder inside its checkpoint folder, together with the hidden versions of its
+name (nothing evicted comes back). A plain save over a sharded folder (an FSDP run's
+``last.ckpt``, resumed without FSDP) replaces it so that a committed state of the name
+exists at every instant (``sharded.replace_with_file``). ``load_for_eval`` reads only the
+parameters and buffers of a sharded folder (``sharded.load_parts``), so a fresh
+evaluation state, which has no optimizer state, loads it at any world size.
 
 ``resolve(ckpt_path)`` turns ``"last"`` (the checkpoint with the furthest recorded progress
 that loads as a ``TrainState``, searched in the checkpoint folders, across the loggers'
@@ -25,12 +32,15 @@ being trained and land on their devices; everything else (progress, key, callbac
 state, the open accumulation window) comes from the file. A checkpoint ``resolve`` already
 read to validate it is not read again by ``restore`` / ``load_for_eval``.
 
-Only ``fit`` (the writer) cleans up: its primary process removes the temporary files of
-writers that are gone (``engine.checkpoint.storage.remove_partial``: a live writer's file,
-this run's or another process's, is never touched) from the folders ``"last"`` searches and
-from a folder before it first writes there. ``validate``/``test``/``predict`` never delete,
-so they may read a live run's folder, or a read-only one. Before its first step ``fit``
-checks that it can write its checkpoint folders (``check_writable``).
+Only ``fit`` (the writer) cleans up: its primary process first finishes the sharded
+commits that killed writers cut short (``engine.checkpoint.sharded.recover``: a name's
+newest committed state, left hidden, is moved to the name), then removes the temporary
+files and folders of writers that are gone (``engine.checkpoint.storage.remove_partial``:
+a live writer's file, this run's or another process's, is never touched, nor a folder
+holding a name's newest committed state) from the folders ``"last"`` searches, from its
+checkpoint folders before its first step (``check_writable``, which first checks that it
+can write them) and from a folder before it first writes there. ``validate``/``test``/
+``predict`` never delete, so they may read a live run's folder, or a read-only one.
 
 Preemption: during ``fit``, SIGTERM and SIGUSR1 (configurable) only set a flag; at the next
 commit point (the end of the current batch) the run writes ``last.ckpt`` in its checkpoint
@@ -112,8 +122,9 @@ class Checkpointing:
         self._logger_cache: tuple[Any, list[Any]] | None = None
         # The checkpoint ``resolve`` read to validate it, kept for the restore that follows.
         self._resolved: tuple[str, Any, dict[str, Any]] | None = None
-        self._cleaned: set[str] = set()
-        self._cleaned_sharded: set[str] = set()  # folders cleaned of sharded temporaries
+        self._cleaned: set[str] = set()  # folders cleaned of what killed writers left
+        # hidden folder -> the name cleanup moved it to (a sharded commit it finished)
+        self._moved: dict[str, str] = {}
         self._save_folders: list[str] = []  # this fit's checkpoint folders (check_writable)
         # The fit's task and datamodule (``fit`` sets them): their hooks' data and the
         # task's hparams go into every checkpoint's metadata (``task.saved_data``).
@@ -166,25 +177,29 @@ class Checkpointing:
             meta = None
             if self.strategy.is_primary:
                 meta = self.metadata(driver, weights_only=weights_only, state=state)
-                folder = os.path.dirname(ck.storage.filesystem(path)[1]) or "."
-                if folder not in self._cleaned_sharded:  # what killed writers left
-                    self._cleaned_sharded.add(folder)
-                    removed = ck.sharded.remove_partial(folder)
-                    say = getattr(driver, "say", None)
-                    if removed and say is not None:
-                        say(f"Removed {len(removed)} partial sharded checkpoint(s): {removed}")
+                folder = _parent(path)
+                if folder not in self._cleaned:  # what killed writers left
+                    self.remove_partial([folder], say=getattr(driver, "say", None))
             self.wait()
             ck.sharded.save(state, path, metadata=meta)
             self.strategy.barrier()
             return
         state = self._with_rank_accumulators(state)  # every rank: a collective
         if self.strategy.is_primary:
-            folder = path.rstrip("/").rsplit("/", 1)[0] if "/" in path else "."
+            folder = _parent(path)
             if folder not in self._cleaned:
                 self.remove_partial([folder], say=getattr(driver, "say", None))
             weights_only = isinstance(state, dict) and state.get("weights_only") is True
             meta = self.metadata(driver, weights_only=weights_only, state=state)
-            if self.saver is not None:
+            sharded_folder = _sharded_folder(path)
+            if sharded_folder is not None:  # an FSDP run's checkpoint, resumed without FSDP
+                self.wait()
+
+                def write(temp: str) -> None:
+                    ck.save(state, temp, metadata=meta)
+
+                ck.sharded.replace_with_file(sharded_folder, write)
+            elif self.saver is not None:
                 self.saver.save(state, path, metadata=meta)
             else:
                 ck.save(state, path, metadata=meta)
@@ -235,10 +250,11 @@ class Checkpointing:
         with folders, ``"{epoch}/{step}"``, writes to subfolders, and one may be a symlink
         out), or a symlink there to such a file (``save_last="link"``), is deleted; anything
         else is left alone with a warning (a checkpoint folder may hold what this run did
-        not write)."""
+        not write). A sharded checkpoint goes with the hidden versions of its name that
+        killed saves left (``sharded.remove_hidden``), also where only those are left: none
+        of them would otherwise come back as the name's newest state."""
         local = ck.storage.filesystem(path)[1] if ck.storage.is_local_url(path) else None
-        sharded = local is not None and ck.sharded.is_sharded_checkpoint(local)
-        if sharded and not os.path.islink(local):
+        if local is not None and _sharded_name(local):
             # a sharded checkpoint (FSDP): only a committed purestep folder of this run's
             folder = os.path.realpath(ck.storage.filesystem(self._folder_of(path))[1])
             parent = os.path.realpath(os.path.dirname(local))
@@ -250,17 +266,21 @@ class Checkpointing:
                 )
                 return
             try:
-                ck.sharded.remove(local)
+                if ck.sharded.is_sharded_checkpoint(local):
+                    ck.sharded.remove(local)
+                else:  # only hidden versions: a cut-short commit holds its newest state
+                    ck.sharded.remove_hidden(local)
             except ck.CheckpointError as err:
                 warnings.warn(f"not deleting {path}: {err}", stacklevel=2)
             return
-        if ck.storage.is_local_url(path):
-            local = ck.storage.filesystem(path)[1]
+        if local is not None:
             reason = _not_ours(local, ck.storage.filesystem(self._folder_of(path))[1])
             if reason:
                 warnings.warn(f"not deleting {path}: {reason}", stacklevel=2)
                 return
         ck.remove(path)
+        if local is not None:  # sharded versions a save cut short left: none comes back
+            ck.sharded.remove_hidden(local)
 
     def _folder_of(self, path: str) -> str:
         """The checkpoint folder ``path`` is in: the deepest of this fit's checkpoint
@@ -271,27 +291,62 @@ class Checkpointing:
         return path.rsplit("/", 1)[0] if "/" in path else "."
 
     def remove_partial(self, folders: Sequence[str], say: Any = None) -> list[str]:
-        """Delete the temporary files killed writers left in ``folders`` (primary process
-        only, after this run's own write in flight is done); return what was removed."""
+        """Settle what killed writers left in ``folders`` (primary process only, after this
+        run's own write in flight is done): finish the sharded commits they cut short
+        (``engine.checkpoint.sharded.recover``: the newest committed state of a name, left
+        hidden, is moved to the name), then delete their temporary files and folders; return
+        what was removed. ``say`` tells of both."""
         if not self.strategy.is_primary:
             return []
         self.wait()
         removed: list[str] = []
+        completed: list[tuple[str, str]] = []
         for folder in folders:
             removed += ck.remove_partial(folder)
+            if ck.storage.is_local_url(folder):
+                recovery = ck.sharded.recover(ck.storage.filesystem(folder)[1])
+                completed += recovery.completed
+                removed += recovery.removed
+                self._moved.update(recovery.completed)
             self._cleaned.add(folder)
-        if removed and say is not None:
-            say(
+        messages = []
+        if completed:
+            moves = ", ".join(f"{new} -> {path}" for new, path in completed)
+            messages.append(
+                f"Finished {len(completed)} sharded checkpoint commit(s) that a killed save "
+                f"cut short (its newest committed state moved to its name): {moves}"
+            )
+        if removed:
+            messages.append(
                 f"Removed {len(removed)} partial checkpoint file(s) left by an interrupted "
                 f"write: {', '.join(removed)}"
             )
+        if say is not None:
+            for message in messages:
+                say(message)
         return removed
 
-    def check_writable(self, callbacks: Sequence[Any], state: TrainState, log_dir: Any) -> None:
+    def current(self, url: str) -> str:
+        """Where the checkpoint ``url`` is now: the name cleanup moved it to if it was a
+        hidden folder holding a name's newest state (a commit it finished), else ``url``.
+        ``fit`` records this as the checkpoint it resumed from, which ``ModelCheckpoint``
+        never evicts."""
+        if not ck.storage.is_local_url(url):
+            return url
+        local = os.path.abspath(ck.storage.filesystem(url)[1])
+        return self._moved.get(local, url)
+
+    def check_writable(
+        self, callbacks: Sequence[Any], state: TrainState, log_dir: Any, say: Any = None
+    ) -> None:
         """Fail before a fit's first step, naming the folder, if no file can be created in
         a checkpoint callback's folder (the primary process probes; every process raises;
         a probe that cannot be deleted is only a warning). Remembers the folders: ``remove``
-        deletes only inside them."""
+        deletes only inside them. Then settles what killed writers left there
+        (``remove_partial``, told through ``say``, else as a warning), so a name whose
+        newest state an interrupted commit left hidden is taken before the callbacks choose
+        names (a fresh run then writes ``last-v1.ckpt`` beside it, as beside any existing
+        ``last.ckpt``)."""
         error, cause = None, None
         self._save_folders = self.save_folders(callbacks, state, log_dir)
         if self.strategy.is_primary:
@@ -313,6 +368,8 @@ class Checkpointing:
                 "writable ModelCheckpoint(dirpath=...) or default_root_dir)"
             )
             raise (OSError(error[0], message) if error[0] else OSError(message)) from cause
+        folders = [f for f in self._save_folders if f not in self._cleaned]
+        self.remove_partial(folders, say=say if say is not None else _warn)
 
     @staticmethod
     def save_folders(callbacks: Sequence[Any], state: TrainState, log_dir: Any) -> list[str]:
@@ -386,7 +443,9 @@ class Checkpointing:
         if ckpt_path == "best":
             if fn == "fit":
                 raise ValueError('ckpt_path="best" is for validate/test/predict, not fit')
-            log_dir = self._log_dir()  # every rank, before any rank may return
+            # every rank, before any rank may return; a Trainer that has not run has no best
+            # (and asking its default logger for a folder would claim one for nothing)
+            log_dir = self._log_dir() if state is not None else None
             for cb in callbacks:
                 if isinstance(cb, ModelCheckpoint) and state is not None:
                     best = state.callbacks.get(cb.key, {}).get("best_model_path")
@@ -396,10 +455,41 @@ class Checkpointing:
                 'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this '
                 "Trainer's fit; pass a path instead"
             )
-        url = os.fspath(ckpt_path)
-        if not ck.storage.exists(url):
+        url, found = self._explicit(os.fspath(ckpt_path), say)
+        if not found:
             raise FileNotFoundError(missing_checkpoint(url, fn))
         return url
+
+    def _explicit(self, url: str, say: Any) -> tuple[str, bool]:
+        """``(the entry to load for the path url, whether it exists)``, as rank 0 sees it,
+        on every process (a collective under DDP/FSDP): a live run's folder may change
+        between the ranks' looks, and ranks that resolved the name on their own could load
+        the shards of two versions."""
+        found = None
+        if self.strategy.is_primary:
+            chosen = self._newest(url, say)
+            found = (chosen, ck.storage.exists(chosen))
+        if self.strategy.world_size > 1:
+            found = self.strategy.broadcast_object(found, 0)
+        return found
+
+    @staticmethod
+    def _newest(url: str, say: Any) -> str:
+        """``url``, or, for a local sharded checkpoint whose newest committed state a commit
+        cut short left in a hidden folder beside it (``engine.checkpoint.sharded.newest``),
+        that folder: the name's latest version, as ``"last"`` would find it."""
+        if not ck.storage.is_local_url(url):
+            return url
+        local = ck.storage.filesystem(url)[1]
+        found = ck.sharded.newest(local)
+        if found is None or found == os.path.abspath(local):
+            return url
+        if say is not None:
+            say(
+                f"ckpt_path={url!r}: its newest committed state is {found}, where a save "
+                "that was cut short left it; loading that"
+            )
+        return found
 
     def _latest(self, callbacks: Sequence[Any], state: TrainState | None, say: Any, *, clean: bool):
         """``(url, state, metadata)`` of the furthest checkpoint a run can resume from
@@ -488,10 +578,11 @@ class Checkpointing:
         checkpoint), checked against and placed like ``fresh``'s (``with_metadata``:
         ``(state, metadata)``)."""
         if ck.sharded.is_sharded_checkpoint(url):
+            # only what evaluation needs: the optimizer state is neither read nor checked
+            # (a fresh evaluation state has none), at any world size
             self._resolved = None
-            loaded, meta = ck.sharded.load(url, fresh)
-            part = loaded if isinstance(loaded, dict) else vars(loaded)
-            state = fresh.replace(params=part["params"], buffers=part["buffers"])
+            parts, meta = ck.sharded.load_parts(url, ("params", "buffers"), fresh)
+            state = fresh.replace(params=parts["params"], buffers=parts["buffers"])
             return (state, meta) if with_metadata else state
         loaded, meta = self._load(url)
         params = loaded["params"] if isinstance(loaded, dict) else loaded.params
@@ -637,6 +728,39 @@ def _inside(path: str, root: str) -> bool:
         return os.path.commonpath([path, root]) == root
     except ValueError:  # different drives
         return False
+
+
+def _sharded_folder(path: str) -> str | None:
+    """The local path of ``path`` if a sharded checkpoint folder (not a symlink) is there,
+    which a plain save must replace as ``engine.checkpoint.sharded.replace_with_file`` does
+    (a file cannot be renamed over a folder)."""
+    if not ck.storage.is_local_url(path):
+        return None
+    local = ck.storage.filesystem(path)[1]
+    if os.path.islink(local) or not ck.sharded.is_sharded_checkpoint(local):
+        return None
+    return local
+
+
+def _sharded_name(local: str) -> bool:
+    """Whether the local checkpoint path ``local`` is a sharded checkpoint to delete as a
+    folder: a sharded folder (not a symlink), or no entry at all while the name's newest
+    committed state is a hidden folder beside it (``engine.checkpoint.sharded.newest``)."""
+    if os.path.islink(local):
+        return False
+    if ck.sharded.is_sharded_checkpoint(local):
+        return True
+    return not os.path.lexists(local) and ck.sharded.newest(local) is not None
+
+
+def _warn(message: str) -> None:
+    """Tell ``message`` as a warning (where no ``say`` was given)."""
+    warnings.warn(message, stacklevel=4)
+
+
+def _parent(path: str) -> str:
+    """The folder a checkpoint ``path`` (a URL or local path) is written in."""
+    return path.rstrip("/").rsplit("/", 1)[0] if "/" in path else "."
 
 
 def _with_protocol(root: str, path: str) -> str:

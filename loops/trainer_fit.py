@@ -240,9 +240,9 @@ def fit(
     driver.elapsed_offset = elapsed
     if url is not None:  # the callbacks' on_load_checkpoint, now that they are known
         state = restore_callback_data(meta, driver.callbacks, state, driver.context, url=url)
-    checkpointing.check_writable(driver.callbacks, state, driver.log_dir)  # fail before step 1
-    if url is not None:
-        driver.extra["resumed_from"] = url
+    checkpointing.check_writable(driver.callbacks, state, driver.log_dir, say=say)  # before step 1
+    if url is not None:  # where it is now: cleanup may have moved a hidden newest state
+        driver.extra["resumed_from"] = checkpointing.current(url)
     for message in schedule.startup_messages(config):
         driver.say(message)
     if has_val_data and not task.has("validation_step"):

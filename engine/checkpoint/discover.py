@@ -24,15 +24,23 @@ Sharded checkpoints (``sharded``: a folder per checkpoint, on local disks) take 
 folder matching the pattern is a candidate once committed (one without its commit marker
 is skipped with a warning, like a corrupt file), ranked by the progress record its
 manifest holds, and checked with ``sharded.peek`` (manifest, DCP index, data files, the
-state's decoding; no tensor data read). ``load_latest`` then loads the chosen folder's full
-tensors (``tensors=False``: the peeked state, its tensors ``meta`` placeholders, for a caller
-that loads it laid out like its own sharded state); ``read_latest`` returns files only (a
-folder has no payload).
+state's decoding; no tensor data read). Where a save (or cleanup) of a name was cut short
+between committing its new version and moving it into place, the newest committed state
+of that name is a hidden folder beside it (``sharded.newest_in``): that folder is the
+name's candidate, in place of the older version or of no entry at all, so a kill at any
+point of the commit leaves a run that resumes from its newest committed state. The name's
+own entry stays its fallback: taken where the hidden folder fails (the older version), or
+where it is gone by the time it is read (its writer placed it at the name meanwhile: the
+name is looked up again, never dropped from the listing).
+``load_latest`` then loads the chosen folder's full tensors (``tensors=False``: the peeked
+state, its tensors ``meta`` placeholders, for a caller that loads it laid out like its own
+sharded state); ``read_latest`` returns files only (a folder has no payload).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -58,28 +66,60 @@ def candidates(
     """Committed entries in ``folder`` matching ``pattern``, newest first by modification
     time (a listing: nothing is opened; ``ranked`` orders them for resuming)."""
     found = _dated_candidates(folder, pattern, commit, storage_options)
-    return [url for _, url in found if _folder(url) is None or sharded.is_committed(_folder(url))]
+    folders = [(url, _folder(url)) for _, url, _ in found]
+    return [url for url, local in folders if local is None or sharded.is_committed(local)]
 
 
 def _dated_candidates(
     folder: str, pattern: str, commit: str, storage_options: dict[str, Any] | None
-) -> list[tuple[float, str]]:
-    """``(modification time, url)`` of ``candidates(folder)``, newest first. Entries of any
-    kind are listed (a symlink shows as neither file nor directory here); reading them
-    refuses what is not a regular file."""
+) -> list[tuple[float, str, str | None]]:
+    """``(modification time, url, fallback)`` of ``candidates(folder)``, newest first.
+    Entries of any kind are listed (a symlink shows as neither file nor directory here);
+    reading them refuses what is not a regular file. ``fallback`` is set for a hidden
+    folder holding a name's newest committed state: the name's own entry, to take where
+    the hidden folder fails (its older version) or is gone (its writer placed it)."""
     fs, path = storage.filesystem(folder, storage_options)
     if not fs.exists(path):
         return []
+    # names whose newest committed state is a hidden sharded folder (a commit cut short)
+    hidden = sharded.newest_in(path) if storage._is_local(fs) else {}
     found = []
     for info in fs.ls(path, detail=True):
         name = info["name"].rsplit("/", 1)[-1]
-        if name.startswith(".") or not fnmatch.fnmatch(name, pattern):
+        if name.startswith(".") or name in hidden or not fnmatch.fnmatch(name, pattern):
             continue
         url = _join(folder, name)
         if storage.is_committed(url, commit=commit, storage_options=storage_options):
-            found.append((modified_time(info), name, url))
+            found.append((modified_time(info), name, url, None))
+    for name, local in hidden.items():
+        if fnmatch.fnmatch(name, pattern):
+            entry = _hidden_candidate(fs, folder, os.path.join(path, name), local)
+            if entry is not None:
+                found.append((entry[0], name, *entry[1:]))
     found.sort(key=lambda item: (item[0], item[1]), reverse=True)
-    return [(mtime, url) for mtime, _, url in found]
+    return [(mtime, url, fallback) for mtime, _, url, fallback in found]
+
+
+def _hidden_candidate(
+    fs: Any, folder: str, named: str, local: str
+) -> tuple[float, str, str | None] | None:
+    """``(modification time, url, fallback)`` for the name ``named`` (a local path) whose
+    newest committed state was the hidden folder ``local`` when ``folder`` was listed.
+    Where that folder is gone meanwhile (its writer placed it, or cleaned it up), the
+    name's newest state is looked up again, so the name is never dropped."""
+    for _ in range(2):
+        try:
+            mtime = modified_time(fs.info(local))
+        except OSError:  # moved meanwhile: where is the newest state now?
+            local = sharded.newest(named)
+            if local is None:
+                return None
+            continue
+        url = _join(folder, os.path.basename(local))
+        if os.path.abspath(local) == os.path.abspath(named):
+            return mtime, url, None
+        return mtime, url, _join(folder, os.path.basename(named))
+    return None
 
 
 def ranked(
@@ -97,33 +137,78 @@ def ranked(
     taken most recently written first (by their newest file), so a fresh run in a new
     version folder resumes itself rather than an older run that got further.
     """
+    return [url for url, _ in _ranked(folders, pattern, commit, storage_options)]
+
+
+def _ranked(
+    folders: str | Sequence[str],
+    pattern: str,
+    commit: str,
+    storage_options: dict[str, Any] | None,
+) -> list[tuple[str, str | None]]:
+    """``ranked`` with each candidate's fallback (see ``_dated_candidates``): a hidden
+    folder whose record cannot be read is ranked by its fallback's record instead."""
     if isinstance(folders, str):
         folders = [folders]
     groups = []
     for order, folder in enumerate(folders):
         scored = []
-        for mtime, url in _dated_candidates(folder, pattern, commit, storage_options):
-            try:
-                local = _folder(url)
-                if local is not None:
-                    record = sharded.read_record(local)  # refuses an uncommitted folder
-                else:
-                    record = read_record(url, commit=commit, storage_options=storage_options)
-            except (CheckpointError, OSError) as err:
-                _skip(url, err)
-                continue
-            progress = (record or {}).get("progress")
-            if progress is None:
-                scored.append(((False, (), mtime), url))
-            else:
-                counters = (progress["step"], progress["total_batches"], progress["epoch"])
-                scored.append(((True, counters, mtime), url))
+        for mtime, url, fallback in _dated_candidates(folder, pattern, commit, storage_options):
+            score = _score(url, mtime, commit, storage_options, quiet=fallback is not None)
+            if score is None and fallback is not None:
+                url, fallback = fallback, None
+                score = _score(url, _mtime(url, storage_options), commit, storage_options)
+            if score is not None:
+                scored.append((score, url, fallback))
         if scored:
             scored.sort(key=lambda item: item[0], reverse=True)  # stable: listing order
-            newest = max(score[2] for score, _ in scored)
-            groups.append(((newest, scored[0][0], -order), [url for _, url in scored]))
+            newest = max(score[2] for score, _, _ in scored)
+            groups.append(((newest, scored[0][0], -order), [(u, f) for _, u, f in scored]))
     groups.sort(key=lambda item: item[0], reverse=True)
-    return [url for _, urls in groups for url in urls]
+    return [entry for _, entries in groups for entry in entries]
+
+
+def _score(
+    url: str,
+    mtime: float,
+    commit: str,
+    storage_options: dict[str, Any] | None,
+    *,
+    quiet: bool = False,
+) -> tuple[bool, tuple[int, ...], float] | None:
+    """The ranking key of ``url`` from its progress record (None, warned, when the record
+    cannot be read; ``quiet``: no warning once ``url`` is gone, a hidden folder its writer
+    placed meanwhile)."""
+    try:
+        local = _folder(url)
+        if local is not None:
+            record = sharded.read_record(local)  # refuses an uncommitted folder
+        else:
+            record = read_record(url, commit=commit, storage_options=storage_options)
+    except (CheckpointError, OSError) as err:
+        if not (quiet and not _still_there(url)):
+            _skip(url, err)
+        return None
+    progress = (record or {}).get("progress")
+    if progress is None:
+        return (False, (), mtime)
+    return (True, (progress["step"], progress["total_batches"], progress["epoch"]), mtime)
+
+
+def _mtime(url: str, storage_options: dict[str, Any] | None) -> float:
+    """The modification time of ``url`` (0 when it cannot be told)."""
+    fs, path = storage.filesystem(url, storage_options)
+    try:
+        return modified_time(fs.info(path))
+    except OSError:
+        return 0.0
+
+
+def _still_there(url: str) -> bool:
+    """Whether anything is at the local ``url`` (True elsewhere: nothing moves there)."""
+    if not storage.is_local_url(url):
+        return True
+    return os.path.lexists(storage.filesystem(url)[1])
 
 
 def _folder(url: str) -> str | None:
@@ -141,26 +226,47 @@ def _loadable(
     storage_options: dict[str, Any] | None,
 ) -> Iterator[tuple[str, dict[str, Any] | None, Any, dict[str, Any]]]:
     """``(url, payload, state, metadata)`` of each ranked checkpoint that reads and decodes
-    (a sharded folder: payload None, its state peeked)."""
-    for url in ranked(folders, pattern, commit=commit, storage_options=storage_options):
-        try:
-            local = _folder(url)
-            if local is not None:
-                state, metadata = sharded.peek(local)
-                record = sharded.read_record(local)
-            else:
-                payload = read(url, commit=commit, storage_options=storage_options)
-                state, metadata = load_payload(payload, url=url)
-                record = payload_record(payload, url)
-            if not matches_record(state, record):
-                raise CheckpointError(
-                    f"{url}: its record states a progress its state does not have (ranked by "
-                    "a record that is not its own)"
-                )
-        except (CheckpointError, OSError) as err:
+    (a sharded folder: payload None, its state peeked). A hidden folder holding a name's
+    newest state that fails is followed by the name's own entry (its older version), and
+    so is one that is gone by the time the caller passed over it (placed at the name: the
+    name's newest state is there now)."""
+    for url, fallback in _ranked(folders, pattern, commit, storage_options):
+        found = _read_candidate(url, commit, storage_options, quiet=fallback is not None)
+        if found is not None:
+            yield found
+            if fallback is None or _still_there(url):
+                continue
+        if fallback is not None:
+            found = _read_candidate(fallback, commit, storage_options)
+            if found is not None:
+                yield found
+
+
+def _read_candidate(
+    url: str, commit: str, storage_options: dict[str, Any] | None, *, quiet: bool = False
+) -> tuple[str, dict[str, Any] | None, Any, dict[str, Any]] | None:
+    """``(url, payload, state, metadata)`` of ``url`` if it reads and decodes, else None
+    (warned; ``quiet``: not once ``url`` is gone, see ``_score``)."""
+    try:
+        local = _folder(url)
+        payload = None
+        if local is not None:
+            state, metadata = sharded.peek(local)
+            record = sharded.read_record(local)
+        else:
+            payload = read(url, commit=commit, storage_options=storage_options)
+            state, metadata = load_payload(payload, url=url)
+            record = payload_record(payload, url)
+        if not matches_record(state, record):
+            raise CheckpointError(
+                f"{url}: its record states a progress its state does not have (ranked by "
+                "a record that is not its own)"
+            )
+    except (CheckpointError, OSError) as err:
+        if not (quiet and not _still_there(url)):
             _skip(url, err)
-            continue
-        yield url, (None if local is not None else payload), state, metadata
+        return None
+    return url, payload, state, metadata
 
 
 def _accepted(url: str, accept: Accept | None, *args: Any) -> bool:

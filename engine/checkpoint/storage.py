@@ -169,9 +169,15 @@ def _temp_name(name: str) -> str:
     """The hidden temporary name for ``name``: ``name`` is cut (at a character) where the
     whole would pass ``_NAME_MAX`` bytes; the writer identity and random part stay whole."""
     tail = f"{_TMP}{writer_identity()}-{uuid.uuid4().hex[:12]}"
+    return f".{_temp_stem(name, tail)}{tail}"
+
+
+def _temp_stem(name: str, tail: str) -> str:
+    """The part of ``name`` that ``_temp_name`` keeps before ``tail`` (its writer identity
+    and random part): all of it, or its longest prefix (whole characters) that fits.
+    Cleanup compares a temporary name with the name a record claims by this alone."""
     room = _NAME_MAX - 1 - len(tail.encode())
-    stem = name.encode()[:room].decode(errors="ignore")
-    return f".{stem}{tail}"
+    return name.encode()[: max(room, 0)].decode(errors="ignore")
 
 
 def _join(parent: str, name: str) -> str:
@@ -182,14 +188,8 @@ def _out_of_space(err: BaseException, fs: Any, folder: str) -> bool:
     """Whether a failed write ran out of space: ``ENOSPC``/``EDQUOT`` in the error chain
     (torch's zip writer reports a short write as a ``RuntimeError`` caused by it), else a
     local disk left with almost no free space."""
-    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    seen: set[int] = set()
-    cause: BaseException | None = err
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError) and cause.errno in codes:
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
+    if _space_error_in_chain(err):
+        return True
     if isinstance(err, OSError) and err.errno not in (None, errno.EIO):
         return False  # an error of its own kind (a missing or read-only folder, ...)
     if not (_is_local(fs) and hasattr(os, "statvfs")):
@@ -200,6 +200,20 @@ def _out_of_space(err: BaseException, fs: Any, folder: str) -> bool:
         return False
     root = getattr(os, "geteuid", lambda: -1)() == 0  # root may use the reserved blocks
     return (st.f_bfree if root else st.f_bavail) * st.f_frsize < _FULL_BYTES
+
+
+def _space_error_in_chain(err: BaseException) -> bool:
+    """Whether ``ENOSPC`` or ``EDQUOT`` is in the error chain of ``err`` (the error says
+    itself that the disk or quota ran full, whatever else is true of the disk now)."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in codes:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _no_space(url: str, outcome: str) -> OSError:
