@@ -319,17 +319,19 @@ class CLI:
 
     def _existing(self, overwrite: bool | None, *, keep_existing: bool) -> tuple[str, bool]:
         """``(path, whether to leave the file as it is)``; a different existing file is an
-        error unless ``overwrite`` or ``keep_existing`` (a warning then)."""
-        from .loggers.folders import join, url_to_fs
+        error unless ``overwrite`` or ``keep_existing`` (a warning then). A link planted at
+        the file is refused either way (``loggers.run_files``): it is never read nor
+        written through."""
+        from .loggers.folders import join
 
         overwrite = self._overwrite if overwrite is None else overwrite
         path = join(self.trainer.log_dir, self._filename)
-        fs, inner = url_to_fs(path)
-        if overwrite or not fs.exists(inner):
+        files = self._config_files()
+        files.check(self._filename)
+        if overwrite or not files.exists(self._filename):
             return path, False
-        with fs.open(inner, "r", encoding="utf-8") as f:
-            if f.read() == self.config_yaml():
-                return path, True
+        if files.read(self._filename) == self.config_yaml().encode("utf-8"):
+            return path, True
         message = (
             f"{path} exists and holds another config; not overwriting the record of "
             "a previous run. Delete it, choose another default_root_dir / logger "
@@ -341,26 +343,26 @@ class CLI:
             return path, True
         raise RuntimeError(message)
 
+    def _config_files(self) -> Any:
+        """The run folder's files (``loggers.run_files.RunFiles``): ``config.yaml`` is
+        written there atomically, never through a link planted in the folder."""
+        from .loggers.run_files import RunFiles
+
+        log_dir = self.trainer.log_dir
+        return RunFiles(log_dir, log_dir)
+
     def save_config(self, overwrite: bool | None = None, *, keep_existing: bool = False) -> str:
         """Write the resolved config to ``<trainer.log_dir>/config.yaml`` on rank 0 and
         return its path ("" on other ranks). A different existing file is an error unless
         ``overwrite`` (default: the ``save_config_kwargs`` one); ``keep_existing`` keeps it
         with a warning instead. (A subcommand calls it when its run starts.)"""
-        from .loggers.folders import url_to_fs
-
         if not self.trainer.is_global_zero:
             return ""
         path, leave = self._existing(overwrite, keep_existing=keep_existing)
         if leave:
             self._saved = path
             return path
-        text = self.config_yaml()
-        fs, inner = url_to_fs(path)
-        parent = inner.rsplit("/", 1)[0] if "/" in inner else ""
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        with fs.open(inner, "w", encoding="utf-8") as f:
-            f.write(text)
+        self._config_files().write(self._filename, self.config_yaml().encode("utf-8"))
         self._saved = path
         return path
 
@@ -398,6 +400,12 @@ class _ConfigWriter:
         self.owner = owner
         self.keep_existing = keep_existing
         self.written = False
+
+    def uses_run_folder(self, fn: str) -> bool:
+        """It writes ``config.yaml`` into the run folder: a run that would leave the default
+        logger out (``trainer_run.run_logs``) gets a version folder for it instead of
+        writing into ``default_root_dir``."""
+        return True
 
     def on_event(self, event: str, ctx: Any) -> None:
         if not self.written:

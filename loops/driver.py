@@ -428,13 +428,20 @@ class Driver:
 
     def finalize(self, status: str) -> None:
         """Close the loggers with ``status`` ("success", "failed" or "interrupted"), after
-        the profiler's report (the loggers are closed even if the report fails)."""
+        the profiler's report (the loggers are closed even if the report fails). Every
+        logger is closed even if one before it fails; the first failure is raised after."""
         try:
             self.end_profiling()
         finally:
             if self.is_primary:
+                first: BaseException | None = None
                 for logger in self.loggers:
-                    logger.finalize(status)
+                    try:
+                        logger.finalize(status)
+                    except Exception as err:  # the others still flush and close
+                        first = first or err
+                if first is not None:
+                    raise first
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -282,6 +282,11 @@ class Trainer:
             if self.config.fast_dev_run
             else create_loggers(True if logger is None else logger, self.default_root_dir)
         )
+        # The default logger (``logger`` not given) is left out of an evaluation of a
+        # checkpoint while it has no run folder yet (trainer_run.run_logs): set per run.
+        self._default_logger = logger is None
+        self._skips_loggers = False
+        self._run_ckpt_path: str | None = None  # the ckpt_path of the current (or last) run
         if not isinstance(async_checkpoint, bool):
             raise TypeError(f"async_checkpoint must be a bool, got {async_checkpoint!r}")
         if not isinstance(donate_state, bool):
@@ -380,6 +385,18 @@ class Trainer:
     def should_stop(self) -> bool:
         state = self._latest
         return loop_state.get(state).should_stop if state is not None else False
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The loggers (Lightning's ``trainer.loggers``); empty for a run that leaves the
+        default logger out (an evaluation of a checkpoint before the default logger has a
+        run folder: ``trainer_run.run_logs``), as with ``logger=False``, until the next
+        run starts."""
+        return [] if getattr(self, "_skips_loggers", False) else self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: Any) -> None:
+        self._loggers = list(loggers)
 
     @property
     def logger(self) -> Any:
@@ -589,6 +606,7 @@ class Trainer:
         """
         from . import trainer_fit
 
+        self._run_ckpt_path = ckpt_path
         return trainer_fit.fit(
             self,
             model,
@@ -626,6 +644,7 @@ class Trainer:
         """
         from . import trainer_eval
 
+        self._run_ckpt_path = ckpt_path
         return trainer_eval.evaluate(
             self, Stage.VALIDATE, model, dataloaders, datamodule, state, fn, verbose, ckpt_path
         )
@@ -645,6 +664,7 @@ class Trainer:
         """Evaluate on test data; one dict of epoch-level metrics per dataloader."""
         from . import trainer_eval
 
+        self._run_ckpt_path = ckpt_path
         return trainer_eval.evaluate(
             self, Stage.TEST, model, dataloaders, datamodule, state, fn, verbose, ckpt_path
         )
@@ -669,6 +689,7 @@ class Trainer:
         """
         from . import trainer_eval
 
+        self._run_ckpt_path = ckpt_path
         return trainer_eval.predict(
             self, model, dataloaders, datamodule, state, fn, return_predictions, ckpt_path
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ __all__ = [
     "entry_point",
     "local_log_dir",
     "printer",
+    "run_logs",
     "run_context",
     "strategy_scope",
 ]
@@ -59,6 +61,7 @@ def entry_point(fn: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
             self.fn = fn
             self.status = TrainerStatus.RUNNING
+            self._skips_loggers = False  # decided anew for this run (run_logs)
             try:
                 with strategy_scope(self.strategy):
                     return method(self, *args, **kwargs)
@@ -195,15 +198,123 @@ def local_log_dir(trainer: Trainer) -> str:
     return trainer.default_root_dir
 
 
-def shared_log_dir(trainer: Trainer) -> str:
-    """The run folder rank 0 chose (every process names files after it; a collective under
-    DDP). The driver keeps it (``Driver.log_dir``): ``Trainer.log_dir`` and every checkpoint
-    path built from the callbacks' bookkeeping take it from there."""
+#: The entry points that only evaluate (they need no run folder of their own).
+EVALUATIONS = ("validate", "test", "predict")
+
+
+def run_logs(trainer: Trainer, fn: str) -> bool:
+    """Whether a run of ``fn`` sends its values to the trainer's loggers: always, except
+    an evaluation of a checkpoint (validate, test or predict with ``ckpt_path``) on a
+    Trainer whose default logger (``logger`` not given; not ``logger=True``, not a given
+    logger) has no run folder yet. Such a run creates no version folder and logs nothing,
+    as with ``logger=False`` (its results are returned, printed and kept in
+    ``logged_metrics``): a script evaluating a live run's checkpoints every few seconds
+    with a fresh Trainer each time would otherwise leave a folder per call. Unless the run
+    writes into the run folder anyway (a ``PredictionWriter`` without ``output_dir``, a
+    profiler without ``dirpath``, the CLI's ``config.yaml``: ``uses_run_folder``): then it
+    gets its own version folder and logs there, as before. Without ``ckpt_path`` a fresh
+    Trainer's evaluation logs as Lightning's does (a version folder)."""
+    if fn not in EVALUATIONS or trainer._run_ckpt_path is None or not trainer._default_logger:
+        return True
+    first = trainer._loggers[0] if trainer._loggers else None
+    if first is None or getattr(first, "picked", True):
+        return True  # no logger, or its folder is settled: log into that one folder
+    return any(_uses_run_folder(writer, fn) for writer in _run_folder_writers(trainer))
+
+
+def _run_folder_writers(trainer: Trainer) -> list[Any]:
+    """What may write into a run's folder by default: the callbacks, monitors, observers
+    (the CLI's config writer) and the profiler."""
+    return [
+        *trainer.callbacks,
+        *trainer.monitors,
+        *getattr(trainer, "_observers", ()),
+        trainer.profiler,
+    ]
+
+
+def _uses_run_folder(writer: Any, fn: str) -> bool:
+    """``writer.uses_run_folder(fn)`` where it has one (else it writes none by default)."""
+    uses = getattr(writer, "uses_run_folder", None)
+    return bool(uses(fn)) if callable(uses) else False
+
+
+def _not_logged(fn: str, ckpt_path: Any) -> str:
+    """The line a run that leaves the default logger out prints."""
+    return (
+        f"{fn}(ckpt_path={ckpt_path!r}) is not logged: the Trainer's default logger has no "
+        "run folder yet, so no version folder is created for this evaluation; pass "
+        "logger=True to log it"
+    )
+
+
+def _claim_folders(trainer: Trainer) -> list[int | str | None]:
+    """Claim the run folders of the trainer's file loggers (``FolderLogger.claim``: a
+    version only read is created exclusively now) and return their versions (None for
+    loggers without folders). The main process only; the others take these versions."""
+    from .loggers.base import FolderLogger
+
+    versions: list[int | str | None] = []
+    for logger in trainer._loggers:
+        if isinstance(logger, FolderLogger):
+            logger.claim()
+            versions.append(logger.version)
+        else:
+            versions.append(None)
+    return versions
+
+
+def _take_folders(trainer: Trainer, versions: list[int | str | None]) -> None:
+    """Make this (non-main) process's file loggers name the versions the main process
+    claimed, so ``trainer.logger.version`` / ``log_dir`` agree on every rank."""
+    from .loggers.base import FolderLogger
+
+    for logger, version in zip(trainer._loggers, versions):
+        if isinstance(logger, FolderLogger) and version is not None:
+            logger.take_version(version)
+
+
+def _trusted_root(trainer: Trainer, log_dir: str, logs: bool) -> str:
+    """The folder at or above ``log_dir`` whose own path is the user's choice: the first
+    logger's ``root_dir`` (``save_dir/name``) when the run logs into its folder, else
+    ``log_dir`` itself. Writers into the run folder refuse links below it."""
+    first = trainer._loggers[0] if logs and trainer._loggers else None
+    root = getattr(first, "root_dir", None)
+    if isinstance(root, str) and root:
+        stem = root.rstrip("/\\")
+        if log_dir == root or any(log_dir.startswith(stem + sep) for sep in {"/", os.sep}):
+            return root
+    return log_dir
+
+
+def shared_log_dir(trainer: Trainer, fn: str | None = None) -> tuple[str, bool]:
+    """``(the run folder rank 0 chose, whether the run of fn logs: run_logs)`` (every
+    process names files after the folder; a collective under DDP, so all ranks agree on
+    both). A run that logs claims its loggers' run folders on the main process
+    (``FolderLogger.claim``, the strategy's primary process, whatever ``RANK`` says), and
+    the other processes' loggers take rank 0's versions. The driver keeps the folder
+    (``Driver.log_dir``): ``Trainer.log_dir`` and every checkpoint path built from the
+    callbacks' bookkeeping take it from there. A run that does not log names its files
+    after ``default_root_dir``."""
     strategy = trainer.strategy
+
+    def choose() -> tuple[str, bool, list[int | str | None]]:
+        logs = fn is None or run_logs(trainer, fn)
+        if not logs:
+            return trainer.default_root_dir, False, []
+        versions = _claim_folders(trainer)
+        first = trainer._loggers[0] if trainer._loggers else None
+        log_dir = getattr(first, "log_dir", None)
+        return (log_dir if log_dir is not None else trainer.default_root_dir), True, versions
+
     if strategy.world_size == 1:
-        return local_log_dir(trainer)
-    chosen = local_log_dir(trainer) if strategy.is_primary else None
-    return strategy.broadcast_object(chosen, 0)
+        log_dir, logs, _ = choose()
+        return log_dir, logs
+    chosen = strategy.broadcast_object(choose() if strategy.is_primary else None, 0)
+    log_dir, logs, versions = chosen
+    if not strategy.is_primary:
+        _take_folders(trainer, versions)
+    return log_dir, logs
 
 
 class TrainerDriver(Driver):
@@ -255,10 +366,19 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
     for key in _COUNTED_BY.get(fn, ()):
         counts[key] = []  # this run counts them anew
     bar = trainer.progress_bar_callback
+    log_dir, logs = shared_log_dir(trainer, fn)
+    loggers = trainer._loggers if logs else []
+    if not logs:
+        messages.append(_not_logged(fn, trainer._run_ckpt_path))
+    trainer._skips_loggers = not logs
+    root = _trusted_root(trainer, log_dir, logs)
+    use_root = getattr(trainer.profiler, "use_log_root", None)
+    if callable(use_root):
+        use_root(root)
     driver = TrainerDriver(
         fn=fn,
         callbacks=run_callbacks(trainer, task, fn, messages),
-        loggers=trainer.loggers,
+        loggers=loggers,
         observers=[
             *([bar] if bar is not None else []),
             BatchCounts(counts),
@@ -267,14 +387,14 @@ def driver_for(trainer: Trainer, fn: str, task: Task | None, model: nn.Module | 
         ],
         config=trainer.config,
         strategy=trainer.strategy,
-        log_dir=shared_log_dir(trainer),
+        log_dir=log_dir,
         checkpointer=checkpointing.save,
         remover=checkpointing.remove,
         linker=checkpointing.link,
         flush=checkpointing.wait,
         exists=_exists,
         clock=trainer._clock,
-        extra={"model": model, "num_loggers": len(trainer.loggers)},
+        extra={"model": model, "num_loggers": len(loggers), "log_root": root},
         profiler=trainer.profiler,
         inference_mode=trainer.inference_mode,
         **({"printer": trainer._printer} if trainer._printer is not None else {}),
@@ -342,7 +462,13 @@ def run_context(trainer: Trainer) -> Iterator[None]:
 
 
 def _exists(url: str) -> bool:
-    """Whether a file exists on any fsspec filesystem (for checkpoint version suffixes)."""
-    from purestep.engine.checkpoint import storage
+    """Whether a checkpoint name is taken, on any fsspec filesystem (for checkpoint version
+    suffixes): a file or folder is there, or, on a local disk, a sharded save cut short left
+    the name's newest committed state in a hidden folder beside it (``sharded.newest``):
+    a fresh run writing that name would order after it and the killed run's state would
+    be replaced, so the name counts as taken."""
+    from purestep.engine.checkpoint import sharded, storage
 
-    return storage.exists(url)
+    if storage.exists(url):
+        return True
+    return storage.is_local_url(url) and sharded.newest(storage.filesystem(url)[1]) is not None

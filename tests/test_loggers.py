@@ -781,11 +781,17 @@ def test_shared_version_is_free_under_every_root(any_root):
     )
     assert loggers[2].version == 6  # asking any of them picks it for all
     assert loggers[0].version == 6 and loggers.version == 6
-    # a logger whose version was already picked keeps it
+    # reading creates nothing (as in Lightning); a logger whose version was already read
+    # keeps it
+    fs, path = fsspec.core.url_to_fs(any_root)
+    assert not fs.exists(f"{path}/a/version_6") and not fs.exists(f"{path}/b/version_6")
     picked = CSVLogger(any_root, name="a")
     assert picked.version == 4
     again = create_loggers([picked, CSVLogger(any_root, name="b")], any_root)
     assert [lg.version for lg in again] == [4, 6]
+    # the first write claims the group's version under both roots at once
+    loggers[0].log_hyperparams({"lr": 0.1})
+    assert fs.isdir(f"{path}/a/version_6") and fs.isdir(f"{path}/b/version_6")
 
 
 def test_trainer_resume_stays_in_its_version_and_tensorboard_keeps_one_file_per_run(tmp_path):
@@ -824,3 +830,20 @@ def test_trainer_resume_stays_in_its_version_and_tensorboard_keeps_one_file_per_
     steps = [s for s, _ in points["train_loss"]]
     assert steps == sorted(set(steps))  # no step twice
     assert _tb_points(run) == points
+
+
+def test_a_logger_failing_to_close_does_not_keep_the_others_open(tmp_path):
+    """Driver.finalize closes every logger even when one before it raises, then raises
+    that first error: a CSV logger listed after a failing one still flushes its rows."""
+    from purestep.loops.driver import Driver
+    from purestep.loops.loggers import MemoryLogger
+
+    class Failing(MemoryLogger):
+        def finalize(self, status: str) -> None:
+            raise RuntimeError("store unreachable")
+
+    after = CSVLogger(tmp_path)
+    after.log_metrics({"a": 1.0}, 0)  # buffered until finalize flushes it
+    with pytest.raises(RuntimeError, match="store unreachable"):
+        Driver(fn="fit", loggers=[Failing(), after]).finalize("failed")
+    assert os.path.isfile(after.metrics_file)

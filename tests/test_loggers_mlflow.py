@@ -143,6 +143,73 @@ def test_resume_in_process_skips_points_logged_again_and_keeps_the_rest(uri):
     assert sorted(history(client, first.run_id, "a")) == [(s, float(s)) for s in range(10)]
 
 
+def test_a_stride0_tensor_param_is_summarised_not_expanded(tmp_path):
+    huge = torch.zeros(1).expand(2**27)  # 4 bytes of storage, 2**27 values
+    logger = MLFlowLogger(save_dir=tmp_path)
+    logger.log_hyperparams({"w": huge, "b": torch.zeros(1).expand(2)})
+    params = MlflowClient(tracking_uri=logger.tracking_uri).get_run(logger.run_id).data.params
+    assert params["w"].startswith("<Tensor shape=(134217728,) dtype=torch.float32")
+    assert params["b"] == "[0.0, 0.0]"
+
+
+def test_a_run_id_from_another_experiment_is_refused(uri):
+    """A checkpoint's logger state (or a run_id given with an experiment_name) naming a run
+    of another experiment of the same store: refused before anything is logged into it."""
+    other = MLFlowLogger(experiment_name="other", tracking_uri=uri)
+    other.log_metrics({"a": 1.0}, 0)
+    other.finalize("success")
+    mine = MLFlowLogger(experiment_name="mine", tracking_uri=uri)
+    mine.log_metrics({"a": 5.0}, 0)
+    mine.finalize("success")
+    client = MlflowClient(tracking_uri=uri)
+    state = {"run_id": other.run_id, "timestamp": 0}
+    refused = [
+        (MLFlowLogger(experiment_name="mine", tracking_uri=uri), r"'mine' \(id "),
+        (MLFlowLogger(tracking_uri=uri), r"'lightning_logs' \(not in this store\)"),
+    ]
+    for logger, configured in refused:
+        logger.restore(state)
+        with pytest.raises(ValueError, match=f"belongs to experiment 'other'.*{configured}"):
+            logger.log_metrics({"a": 2.0}, 1)
+    given = MLFlowLogger(experiment_name="mine", tracking_uri=uri, run_id=other.run_id)
+    with pytest.raises(ValueError, match="refusing to log into another experiment's run"):
+        given.log_hyperparams({"lr": 1})
+    assert client.get_run(other.run_id).info.status == "FINISHED"  # not even marked running
+    assert history(client, other.run_id, "a") == [(0, 1.0)]
+    assert client.get_run(other.run_id).data.params == {}
+    # the same experiment is accepted, and run_id= alone continues the run where it is
+    again = MLFlowLogger(experiment_name="other", tracking_uri=uri)
+    again.restore(state)
+    again.log_metrics({"a": 2.0}, 1)
+    MLFlowLogger(tracking_uri=uri, run_id=other.run_id).log_metrics({"a": 3.0}, 2)
+    assert sorted(history(client, other.run_id, "a")) == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_a_refused_run_is_left_alone_by_finalize_and_the_other_loggers_still_close(tmp_path):
+    """After the refusal, ``finalize`` does not ask again (nor raise): the run loop's
+    finalize reaches the loggers after MLflow, and the other experiment's run keeps its
+    status."""
+    from purestep.loops.driver import Driver
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    other = MLFlowLogger(experiment_name="other", tracking_uri=uri)
+    other.log_metrics({"a": 1.0}, 0)
+    other.finalize("success")
+    refused = MLFlowLogger(experiment_name="mine", tracking_uri=uri)
+    refused.restore({"run_id": other.run_id, "timestamp": 0})
+    with pytest.raises(ValueError, match="refusing to log into another experiment's run"):
+        refused.log_metrics({"a": 2.0}, 1)
+    with pytest.raises(ValueError, match="refusing"):  # refused again on every use
+        refused.log_hyperparams({"lr": 1})
+    csv_logger = CSVLogger(tmp_path)
+    csv_logger.log_metrics({"a": 3.0}, 0)  # buffered until finalize flushes it
+    Driver(fn="fit", loggers=[refused, csv_logger]).finalize("failed")
+    assert os.path.isfile(csv_logger.metrics_file)
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(other.run_id).info.status == "FINISHED"
+    assert history(client, other.run_id, "a") == [(0, 1.0)]
+
+
 def test_restore_after_logging_is_an_error(tmp_path):
     logger = MLFlowLogger(save_dir=tmp_path)
     logger.log_metrics({"a": 1.0}, 0)

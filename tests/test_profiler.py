@@ -537,3 +537,24 @@ def test_a_callback_named_like_an_observer_keeps_its_own_label():
     rows = prof.recorded
     assert rows["[Observer]BatchCounts.on_validation_start"][0] == 2  # sanity check, epoch
     assert rows["[Callback]BatchCounts.on_validation_start"][0] == 2
+
+
+def test_reports_refuse_a_link_planted_at_their_names(tmp_path):
+    """A planted symbolic link at a report's name is refused, its target untouched: the
+    text report and AdvancedProfiler's ``.prof`` dumps alike."""
+    from purestep.loops.loggers import LinkRefusedError
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    os.symlink(outside, folder / "test-perf.txt")
+    t = trainer(profiler=SimpleProfiler(dirpath=folder, filename="perf"))
+    with pytest.raises(LinkRefusedError):
+        t.test(net(), loader(12), fn=counting_loss, verbose=False)
+    assert outside.read_text() == "keep"
+    prof = AdvancedProfiler(dirpath=folder, filename="adv", dump_stats=True)
+    os.symlink(outside, folder / "test-adv-run_test.prof")
+    with pytest.raises(LinkRefusedError):
+        trainer(profiler=prof).test(net(), loader(12), fn=counting_loss, verbose=False)
+    assert outside.read_text() == "keep"

@@ -22,7 +22,6 @@ needs code to read it back (``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import re
@@ -34,6 +33,7 @@ import torch
 from purestep.engine import tree
 
 from ..events import Context
+from ..loggers import run_files
 from ..profiling.monitor import Monitor
 
 __all__ = ["PredictionWriter", "batch_indices", "merge_predictions"]
@@ -98,6 +98,27 @@ class PredictionWriter(Monitor):
             return self.output_dir
         return os.path.join(ctx.log_dir or os.getcwd(), FOLDER)
 
+    def uses_run_folder(self, fn: str) -> bool:
+        """Whether a run of ``fn`` writes into the run folder (a prediction run without
+        ``output_dir``): the Trainer then gives the run a version folder of its own."""
+        return fn == "predict" and self.output_dir is None
+
+    def _base(self, ctx: Context) -> str:
+        """The folder the default files are written under without following a link below
+        it: ``output_dir`` itself when given (the user chose it), else the run folder's
+        trusted root (``ctx.extra["log_root"]``, the logger's ``root_dir``, which the
+        Trainer passes), else the run folder: a planted version folder or ``predictions``
+        link is refused."""
+        if self.output_dir is not None:
+            return os.path.abspath(self.output_dir)
+        run = os.path.abspath(ctx.log_dir or os.getcwd())
+        root = ctx.extra.get("log_root") if ctx.extra else None
+        if root is not None:
+            root = os.path.abspath(root)
+            if os.path.commonpath([root, run]) == root:
+                return root
+        return run
+
     # ------------------------------------------------------------------ what is written
 
     def write_on_batch_end(
@@ -140,12 +161,10 @@ class PredictionWriter(Monitor):
         )
 
     def _save(self, ctx: Context, name: str, payload: Any) -> None:
-        folder = self.folder(ctx)
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, name)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # a reader never sees half a file
+        """Write ``payload`` to ``name`` in the folder: a temporary file renamed into place
+        (a reader never sees half a file), never through a link (``loggers.run_files``)."""
+        path = os.path.join(os.path.abspath(self.folder(ctx)), name)
+        run_files.write_file(self._base(ctx), path, lambda f: torch.save(payload, f))
 
     def _clear_own_files(self, ctx: Context) -> None:
         """Remove the default files this rank wrote in an earlier prediction run into the
@@ -161,16 +180,17 @@ class PredictionWriter(Monitor):
             and self._on_epoch is None
             and type(self).write_on_epoch_end is PredictionWriter.write_on_epoch_end
         )
-        folder = self.folder(ctx)
-        if not uses_default or not os.path.isdir(folder):
+        folder = os.path.abspath(self.folder(ctx))
+        if not uses_default:
             return
-        own = glob.glob(os.path.join(glob.escape(folder), f"predictions_rank{ctx.rank}_*.pt"))
-        own.append(os.path.join(folder, f"predictions_rank{ctx.rank}.pt"))
-        for path in own:
-            name = os.path.basename(path)
-            if name == f"predictions_rank{ctx.rank}.pt" or _BATCH_FILE.fullmatch(name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+        base = self._base(ctx)
+        # listed without following a planted link: a "predictions" link out of the run
+        # folder is refused here, before anything in its target could be removed
+        for name in run_files.list_folder(base, folder):
+            if name == f"predictions_rank{ctx.rank}.pt" or (
+                name.startswith(f"predictions_rank{ctx.rank}_") and _BATCH_FILE.fullmatch(name)
+            ):
+                run_files.remove_file(base, os.path.join(folder, name))
 
     # ------------------------------------------------------------------ events
 

@@ -4,10 +4,12 @@
 files) and ``MemoryLogger`` (Python lists, for tests) share the ``Logger`` contract;
 ``LoggerCollection`` fans calls out to several; ``create_loggers`` reads the Trainer's
 ``logger`` flag. File loggers write into versioned run folders (``folders``) on any fsspec
-path, and resume a killed run through ``state()`` / ``restore(state)``. ``MLFlowLogger``
-and ``WandbLogger`` log to those services (the extras ``purestep[mlflow]`` and
-``purestep[wandb]``); their modules import ``mlflow`` / ``wandb`` only when a logger first
-talks to its backend, so importing purestep never imports them.
+path, and resume a killed run through ``state()`` / ``restore(state)``; they claim a new
+version folder atomically and never write through a symbolic link planted in a run folder
+(``run_files``: ``LinkRefusedError``). ``MLFlowLogger`` and ``WandbLogger`` log to those
+services (the extras ``purestep[mlflow]`` and ``purestep[wandb]``); their modules import
+``mlflow`` / ``wandb`` only when a logger first talks to its backend, so importing purestep
+never imports them.
 
 Every name is imported on first use (as in ``purestep.loops``): ``from
 purestep.loops.loggers import Logger`` or ``CSVLogger`` does not import tensorboardX
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from .hparams_yaml import dump_yaml, load_yaml
     from .memory import MemoryLogger
     from .mlflow import MLFlowLogger
+    from .run_files import LinkRefusedError
     from .tensorboard import TensorBoardLogger
     from .wandb import WandbLogger
 
@@ -39,6 +42,7 @@ _LAZY: dict[str, str] = {
     "LoggerCollection": ".collection",
     "create_loggers": ".collection",
     "CSVLogger": ".csv",
+    "LinkRefusedError": ".run_files",
     "RunFolder": ".folders",
     "next_version": ".folders",
     "run_dir": ".folders",
@@ -54,6 +58,7 @@ __all__ = [
     "STATUSES",
     "CSVLogger",
     "FolderLogger",
+    "LinkRefusedError",
     "Logger",
     "LoggerCollection",
     "MLFlowLogger",

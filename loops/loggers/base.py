@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .folders import RunFolder
+from .run_files import RunFiles
 
 __all__ = [
     "STATUSES",
@@ -188,8 +189,9 @@ class Logger(abc.ABC):
 class FolderLogger(Logger):
     """A logger writing into a versioned run folder, ``save_dir/name/version_N[/sub_dir]``.
 
-    The version is picked on first use (see ``folders.RunFolder``); ``restore`` adopts the
-    version recorded in its state, so a resumed run keeps writing into the same folder.
+    The version is read on first use and claimed at the first write (see
+    ``folders.RunFolder``); ``restore`` adopts the version recorded in its state, so a
+    resumed run keeps writing into the same folder.
     """
 
     def __init__(
@@ -225,6 +227,34 @@ class FolderLogger(Logger):
     @property
     def log_dir(self) -> str:
         return self._folder.log_dir
+
+    @property
+    def picked(self) -> bool:
+        """Whether this logger's run folder is settled (a given, adopted or claimed
+        version, or the one the run's main process claimed); a version only read is not."""
+        return self._folder.picked
+
+    def claim(self) -> None:
+        """Make the run folder this run's before anything is written (``RunFolder.claim``:
+        a version only read is created exclusively now, or moves on if another run has
+        it). The Trainer's main process calls it when a run starts; the first write calls
+        it too, so a logger used alone claims its folder."""
+        self._folder.claim()
+
+    def take_version(self, version: int | str) -> None:
+        """Write (if ever) into ``version``, the one the run's main process claimed (the
+        other ranks of a distributed run take rank 0's; nothing is created)."""
+        self._folder.take(version)
+
+    def _files(self) -> RunFiles:
+        """The files of the run folder, written without following links planted below
+        ``root_dir`` (the version folder, ``sub_dir`` and the files themselves)."""
+        return RunFiles(self.root_dir, self.log_dir)
+
+    def _write_files(self) -> RunFiles:
+        """``_files()`` for a write: the run folder is claimed first (``claim``)."""
+        self.claim()
+        return self._files()
 
     def _adopt(self, state: Mapping[str, Any]) -> None:
         """Take over the version in ``state``; only allowed before anything was written."""

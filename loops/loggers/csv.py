@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .base import FolderLogger, check_status, check_step, params_dict, prepare_metrics
-from .folders import join, url_to_fs
+from .folders import join
 from .hparams_yaml import dump_yaml, to_plain
 
 __all__ = ["CSVLogger"]
@@ -86,50 +86,41 @@ class CSVLogger(FolderLogger):
         """The URL/path of ``metrics.csv``."""
         return join(self.log_dir, METRICS_FILE)
 
-    def _fs_path(self, filename: str, make_dir: bool = False) -> tuple[Any, str]:
-        """The filesystem and path of ``filename`` in the run folder (created on request)."""
-        fs, folder = url_to_fs(self.log_dir)
-        if make_dir:
-            fs.makedirs(folder, exist_ok=True)
-        return fs, f"{folder.rstrip('/')}/{filename}"
-
     def _read_rows(self) -> list[dict[str, str]]:
-        fs, path = self._fs_path(METRICS_FILE)
-        if not fs.exists(path):
+        data = self._files().read(METRICS_FILE)
+        if data is None:
             return []
-        text = fs.cat_file(path).decode("utf-8")
-        return list(csv.DictReader(io.StringIO(text)))
+        return list(csv.DictReader(io.StringIO(data.decode("utf-8"))))
 
     def _rewrite(self, columns: list[str], rows: list[Mapping[str, Any]]) -> None:
-        """Replace ``metrics.csv`` atomically (write a temporary file, then rename)."""
-        fs, path = self._fs_path(METRICS_FILE, make_dir=True)
-        tmp = path + ".tmp"
-        fs.pipe_file(tmp, _csv_text(columns, rows, header=True).encode("utf-8"))
-        fs.mv(tmp, path)
+        """Replace ``metrics.csv`` atomically (a temporary file, then a rename; a link
+        planted there is refused, see ``run_files``)."""
+        data = _csv_text(columns, rows, header=True).encode("utf-8")
+        self._write_files().write(METRICS_FILE, data)
         self._columns = columns
 
     def _append(self, rows: list[Mapping[str, Any]]) -> None:
-        fs, path = self._fs_path(METRICS_FILE)
         data = _csv_text(self._columns, rows, header=False).encode("utf-8")
         try:
-            with fs.open(path, "ab") as f:
-                f.write(data)
+            self._write_files().append(METRICS_FILE, data)
         except (NotImplementedError, ValueError):  # stores without appends: rewrite
             self._rewrite(self._columns, [*self._read_rows(), *rows])
 
     def _open(self) -> None:
-        """First write of a fresh (not restored) run: a leftover metrics.csv is replaced."""
+        """First write of a fresh (not restored) run: a leftover metrics.csv is replaced
+        (a link there is refused, not removed: someone planted it)."""
         self._opened = True
         if self._restored:
             return
-        fs, path = self._fs_path(METRICS_FILE)
-        if fs.exists(path):
+        files = self._write_files()
+        if files.exists(METRICS_FILE):
+            files.check(METRICS_FILE)  # a planted link is refused, not removed
             warnings.warn(
                 f"{self.metrics_file} already exists; it will be overwritten by this run "
                 "(to continue a run, restore the logger's state from its checkpoint)",
                 stacklevel=3,
             )
-            fs.rm_file(path)
+            files.remove(METRICS_FILE)
 
     def _flush(self) -> None:
         if not self._buffer:
@@ -167,8 +158,7 @@ class CSVLogger(FolderLogger):
         """Merge ``params`` into ``self.hparams`` and write them all to ``hparams.yaml``."""
         self.hparams.update(to_plain(params_dict(params)))
         self._started = True
-        fs, path = self._fs_path(HPARAMS_FILE, make_dir=True)
-        fs.pipe_file(path, dump_yaml(self.hparams).encode("utf-8"))
+        self._write_files().write(HPARAMS_FILE, dump_yaml(self.hparams).encode("utf-8"))
 
     def save(self) -> None:
         self._flush()
@@ -180,8 +170,10 @@ class CSVLogger(FolderLogger):
     # ------------------------------------------------------------------ resuming
 
     def state(self) -> dict[str, Any]:
-        """``{"version", "rows"}``; saves first, so every counted row is in the file."""
+        """``{"version", "rows"}``; saves first, so every counted row is in the file (and
+        claims the run folder: the recorded version is this run's)."""
         self._flush()
+        self.claim()
         return {"version": self.version, "rows": self._rows}
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -211,11 +203,9 @@ class CSVLogger(FolderLogger):
         """Make ``rows`` (read back from the file) the whole of ``metrics.csv``."""
         self._buffer = []
         self._rows = len(rows)
-        fs, path = self._fs_path(METRICS_FILE)
         if not rows:
             self._columns = None
-            if fs.exists(path):
-                fs.rm_file(path)
+            self._files().remove(METRICS_FILE)
             return
         columns = {key for row in rows for key, value in row.items() if key and value}
         self._rewrite(sorted(columns | {STEP}), rows)

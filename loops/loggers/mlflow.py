@@ -13,6 +13,15 @@ existing run. Hyper-parameters are flattened with ``/`` as Lightning does (``opt
 written as strings (cut to MLflow's 6000 characters); metrics are written with their step,
 ``prefix-`` before their names.
 
+The experiment is checked when a run is continued: a run id restored from a checkpoint's
+logger state, or given with an explicit ``experiment_name``, must belong to that experiment
+(``DEFAULT_EXPERIMENT`` when none is named), else ``ValueError`` naming both experiments;
+nothing is logged into another experiment's run, and ``finalize`` leaves a refused run as it
+is (so the run's other loggers are still finalised). Only ``run_id=`` without an
+``experiment_name`` continues the run in whatever experiment holds it, as in Lightning
+(which ignores ``experiment_name`` when ``run_id`` is given): here an explicit
+``experiment_name="lightning_logs"`` with ``run_id=`` is checked, omitting it is not.
+
 Checkpoints (``log_model``): ``True`` uploads the checkpoint files (``*.ckpt``) in
 ``checkpoint_dir`` at ``finalize``; ``"all"`` also uploads the new or changed ones each time
 a checkpoint is taken (a file is uploaded once it is on disk: at the next checkpoint or at
@@ -67,6 +76,7 @@ PARAMS_PER_BATCH = 100  # MLflow's limit on parameters per log_batch call
 METRICS_PER_BATCH = 1000  # MLflow's limit on metrics per log_batch call
 STATUS = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 CHECKPOINT_SUFFIX = ".ckpt"
+DEFAULT_EXPERIMENT = "lightning_logs"  # the experiment when no experiment_name is given
 
 
 def import_mlflow() -> Any:
@@ -104,7 +114,8 @@ def _local_path(uri: str) -> str | None:
 class MLFlowLogger(Logger):
     """Log to an MLflow run (see the module docstring).
 
-    ``experiment_name``, ``run_name``, ``tracking_uri``, ``tags``, ``save_dir``, ``log_model``,
+    ``experiment_name`` (``DEFAULT_EXPERIMENT``, "lightning_logs", when None), ``run_name``,
+    ``tracking_uri``, ``tags``, ``save_dir``, ``log_model``,
     ``prefix``, ``artifact_location``, ``run_id`` and ``checkpoint_path_prefix`` as
     Lightning's ``MLFlowLogger``; ``checkpoint_dir``: the folder whose checkpoint files
     ``log_model`` uploads (the Trainer's default checkpoint folder when not given).
@@ -114,7 +125,7 @@ class MLFlowLogger(Logger):
 
     def __init__(
         self,
-        experiment_name: str = "lightning_logs",
+        experiment_name: str | None = None,
         run_name: str | None = None,
         tracking_uri: str | None = None,
         tags: Mapping[str, Any] | None = None,
@@ -139,7 +150,11 @@ class MLFlowLogger(Logger):
                 raise ValueError("MLFlowLogger needs a tracking_uri or a save_dir")
             tracking_uri = "file:" + os.path.abspath(os.fspath(save_dir))
         self._tracking_uri = str(tracking_uri)
-        self._experiment_name = experiment_name
+        if experiment_name is not None and not isinstance(experiment_name, str):
+            raise TypeError(f"experiment_name must be a str or None, got {experiment_name!r}")
+        self._experiment_name = DEFAULT_EXPERIMENT if experiment_name is None else experiment_name
+        self._name_given = experiment_name is not None
+        self._given_run_id = run_id  # the constructor's run id (its experiment is the user's)
         self._run_name = run_name
         self._tags = dict(tags or {})
         self._log_model = log_model
@@ -153,6 +168,7 @@ class MLFlowLogger(Logger):
         self._run_id = run_id
         self._resumed = run_id is not None  # continuing an existing run
         self._adopted = False  # the existing run was marked running and its points read
+        self._refused: ValueError | None = None  # why the run to continue was refused
         self._written = False  # anything logged to the run by this logger
         self._default_root_dir: str | None = None  # the Trainer's, for log_dir (use_root_dir)
         self._last_ts = 0  # timestamp (ms) of the last point written; strictly increasing
@@ -176,6 +192,8 @@ class MLFlowLogger(Logger):
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self._tracking_uri)
+        if self._refused is not None:  # refused once: refused again, without asking
+            raise ValueError(str(self._refused))
         if self._run_id is None:
             self._create_run()
         elif not self._adopted:
@@ -216,6 +234,11 @@ class MLFlowLogger(Logger):
         """Adopt the existing run ``run_id`` (a resume): mark it running, reread its points."""
         client = self._client
         run = client.get_run(self._run_id)
+        try:
+            self._check_experiment(run)
+        except ValueError as error:
+            self._refused = error  # finalize then leaves that run alone
+            raise
         self._experiment_id = run.info.experiment_id
         self._start_ms = run.info.start_time
         self._adopted = True
@@ -224,6 +247,44 @@ class MLFlowLogger(Logger):
         if self._after is not None:
             self._read_extra(self._after)
             self._after = None
+
+    def _expected_experiment(self) -> tuple[str | None, str]:
+        """``(id, name)`` of the experiment a continued run must belong to: the named one
+        (id ``None`` when the store has no such experiment), else the experiment of the
+        constructor's ``run_id``, else ``DEFAULT_EXPERIMENT``'s."""
+        client = self._client
+        if not self._name_given and self._given_run_id is not None:
+            experiment_id = client.get_run(self._given_run_id).info.experiment_id
+            return experiment_id, self._experiment_label(experiment_id)
+        found = client.get_experiment_by_name(self._experiment_name)
+        return (found.experiment_id if found is not None else None), self._experiment_name
+
+    def _experiment_label(self, experiment_id: str) -> str:
+        """The name of the experiment ``experiment_id`` (its id if it cannot be read)."""
+        try:
+            return self._client.get_experiment(experiment_id).name
+        except Exception:  # a deleted or unreadable experiment: its id says enough
+            return f"id {experiment_id}"
+
+    def _check_experiment(self, run: Any) -> None:
+        """Refuse to continue ``run`` when it belongs to another experiment than the
+        configured one (a checkpoint's logger state naming another experiment's run);
+        ``run_id=`` given without an ``experiment_name`` continues it wherever it is."""
+        if self._run_id == self._given_run_id and not self._name_given:
+            return
+        expected_id, expected_name = self._expected_experiment()
+        actual = run.info.experiment_id
+        if expected_id is not None and str(expected_id) == str(actual):
+            return
+        raise ValueError(
+            f"MLflow run {self._run_id} belongs to experiment "
+            f"{self._experiment_label(actual)!r} (id {actual}), not to the configured "
+            f"experiment {expected_name!r}"
+            + (f" (id {expected_id})" if expected_id is not None else " (not in this store)")
+            + f" of {self._tracking_uri}: refusing to log into another experiment's run; "
+            "pass that experiment_name to continue it, or resume from a checkpoint of this "
+            "experiment"
+        )
 
     def _read_extra(self, select: Callable[[str, Any], bool]) -> None:
         """Keep, per metric, the stored points ``select(key, point)`` picks, in the order
@@ -422,8 +483,10 @@ class MLFlowLogger(Logger):
     def finalize(self, status: str) -> None:
         """Upload the checkpoints (``log_model``) and end the run with MLflow's status."""
         check_status(status)
-        if self._run_id is None and self._client is None:
-            return  # nothing was logged: no run to end
+        if not self._adopted:
+            # no run was created or continued here (nothing was logged, or the run to
+            # continue was refused as another experiment's): there is no run of ours to end
+            return
         client = self.experiment
         if self._log_model:
             self._upload_checkpoints()
@@ -479,6 +542,7 @@ class MLFlowLogger(Logger):
         self._run_id = run_id
         self._resumed = True
         self._adopted = False  # adopt the run on first use
+        self._refused = None
         self._experiment_id = None
         self._last_ts = max(self._last_ts, timestamp)
 

@@ -15,6 +15,12 @@ no effect), so ``save()`` and ``state()`` flush everything logged so far into th
 Do not keep a reference to ``experiment`` across ``truncate_after()``, ``restore()`` or
 ``finalize()``, which close the writer.
 
+Links: the event files (``add_scalars``' per-tag ones too) and ``hparams.yaml`` are created
+without following a symbolic link planted in the run folder (``run_files``). tensorboardX's
+``experiment.add_embedding`` writes its projector files itself (``os.makedirs`` and
+``open`` under ``<log_dir>/<step>/<tag>``) and so does follow links there: keep run folders
+writable only by the people who run in them.
+
 Other filesystems: tensorboardX writes only to local disk (and its own s3/gs clients), so for
 a non-local fsspec URL the writer works in a local temporary folder and ``save()`` /
 ``finalize()`` upload the files that changed into the run folder through fsspec.
@@ -34,7 +40,9 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -43,7 +51,7 @@ from typing import Any
 from tensorboardX import SummaryWriter
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.record_writer import directory_check
+from tensorboardX.record_writer import RecordWriter
 from tensorboardX.summary import hparams as hparams_summaries
 from tensorboardX.writer import FileWriter
 
@@ -57,6 +65,7 @@ from .base import (
 )
 from .folders import is_local, url_to_fs
 from .hparams_yaml import dump_yaml, to_plain
+from .run_files import create_file, make_folder
 
 __all__ = ["TensorBoardLogger"]
 
@@ -72,14 +81,41 @@ def _unique_suffix() -> str:
     return f".{_last_suffix_ns:020d}"
 
 
+class _RecordFile(RecordWriter):
+    """tensorboardX's ``RecordWriter`` over a file opened by the caller (``run_files``)."""
+
+    def __init__(self, path: str, file: Any) -> None:
+        self._name_to_tf_name = {}
+        self._tf_names = set()
+        self.path = path
+        self._writer = file
+
+
+class _EventsFile(EventsWriter):
+    """tensorboardX's ``EventsWriter`` whose event file (named as tensorboardX names it) is
+    created exclusively under ``base`` without following links (``run_files``)."""
+
+    def __init__(self, base: str, logdir: str, filename_suffix: str) -> None:
+        seconds = str(time.time())[:10]
+        name = f"events.out.tfevents.{seconds}.{socket.gethostname()}{filename_suffix}"
+        self._file_name = os.path.join(logdir, name)
+        self._num_outstanding_events = 0
+        file = create_file(base, self._file_name)
+        self._py_recordio_writer = _RecordFile(self._file_name, file)
+        self._lock = threading.Lock()
+        self._event = Event(wall_time=time.time(), file_version="brain.Event:2")
+        self.write_event(self._event)
+
+
 class _EventFile:
     """tensorboardX's ``EventFileWriter`` without its queue and thread: an event is written to
-    the file when it is added, so ``flush()`` puts everything added so far in the file."""
+    the file when it is added, so ``flush()`` puts everything added so far in the file. The
+    folder and the file are made under ``base`` without following links."""
 
-    def __init__(self, logdir: str, filename_suffix: str) -> None:
+    def __init__(self, logdir: str, filename_suffix: str, base: str) -> None:
         self._logdir = logdir
-        directory_check(logdir)
-        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix)
+        make_folder(base, logdir)
+        self._events = _EventsFile(base, logdir, filename_suffix)
         self._closed = False
 
     def get_logdir(self) -> str:
@@ -111,20 +147,25 @@ def _close_at_exit(ref: weakref.ref) -> None:
 class _FileWriter(FileWriter):
     """A ``FileWriter`` over an ``_EventFile`` (``add_summary`` etc. as tensorboardX's)."""
 
-    def __init__(self, logdir: str, filename_suffix: str = "") -> None:
-        self.event_writer = _EventFile(str(logdir), filename_suffix)
+    def __init__(self, logdir: str, filename_suffix: str = "", base: str | None = None) -> None:
+        self.event_writer = _EventFile(str(logdir), filename_suffix, base or str(logdir))
         self._default_metadata = {}
         atexit.register(_close_at_exit, weakref.ref(self.event_writer))
 
 
 class _SummaryWriter(SummaryWriter):
-    """tensorboardX's ``SummaryWriter`` writing synchronously into one event file."""
+    """tensorboardX's ``SummaryWriter`` writing synchronously into one event file, made
+    under ``base`` (the experiment's folder) without following links planted there."""
+
+    def __init__(self, *, base: str, **kwargs: Any) -> None:
+        self._base = base
+        super().__init__(**kwargs)
 
     def _get_file_writer(self) -> FileWriter:
         if not self._write_to_disk:
             return super()._get_file_writer()
         if self.all_writers is None or self.file_writer is None:
-            self.file_writer = _FileWriter(self.logdir, self._filename_suffix)
+            self.file_writer = _FileWriter(self.logdir, self._filename_suffix, self._base)
             if self.purge_step is not None:  # as tensorboardX writes it
                 self.file_writer.add_event(
                     Event(step=self.purge_step, file_version="brain.Event:2")
@@ -133,6 +174,26 @@ class _SummaryWriter(SummaryWriter):
                 self.file_writer.add_event(Event(step=self.purge_step, session_log=start))
             self.all_writers = {self.file_writer.get_logdir(): self.file_writer}
         return self.file_writer
+
+    def add_scalars(
+        self,
+        main_tag: str,
+        tag_scalar_dict: dict[str, float],
+        global_step: int | None = None,
+        walltime: float | None = None,
+    ) -> None:
+        """tensorboardX's ``add_scalars``, whose per-tag event files (one folder per tag
+        under the run folder) are made as the main one is: under ``base``, never through
+        a link planted there. The writers are put where tensorboardX looks them up."""
+        if self._write_to_disk:
+            logdir = str(self._get_file_writer().get_logdir())
+            for tag in tag_scalar_dict:
+                folder = os.path.join(logdir, main_tag, tag)  # as tensorboardX names it
+                if folder not in self.all_writers:
+                    self.all_writers[folder] = _FileWriter(
+                        folder, self._filename_suffix, self._base
+                    )
+        super().add_scalars(main_tag, tag_scalar_dict, global_step, walltime)
 
 
 def _hparam_value(value: Any) -> bool | int | float | str:
@@ -186,16 +247,19 @@ class TensorBoardLogger(FolderLogger):
         """The ``SummaryWriter`` (opened on first use) for anything this class does not wrap."""
         if self._writer is None:
             self._started = True
+            self.claim()  # the run folder is this run's before its first event file
             fs, path = url_to_fs(self.log_dir)
             if is_local(fs):
-                logdir = path
+                logdir, base = os.path.abspath(path), url_to_fs(self.root_dir)[1]
             else:
                 if self._local_dir is None:
                     self._local_dir = tempfile.mkdtemp(prefix="purestep-tb-")
-                logdir = self._local_dir
+                logdir = base = self._local_dir
             kwargs = dict(self._writer_kwargs)
             kwargs["filename_suffix"] = _unique_suffix() + kwargs.get("filename_suffix", "")
-            self._writer = _SummaryWriter(logdir=logdir, purge_step=self._purge_step, **kwargs)
+            self._writer = _SummaryWriter(
+                base=base, logdir=logdir, purge_step=self._purge_step, **kwargs
+            )
             self._purge_step = None
         return self._writer
 
@@ -238,9 +302,7 @@ class TensorBoardLogger(FolderLogger):
         """
         params = to_plain(params_dict(params))
         self.hparams.update(params)
-        fs, folder = url_to_fs(self.log_dir)
-        fs.makedirs(folder, exist_ok=True)
-        fs.pipe_file(f"{folder.rstrip('/')}/{HPARAMS_FILE}", dump_yaml(self.hparams).encode())
+        self._write_files().write(HPARAMS_FILE, dump_yaml(self.hparams).encode())
         if metrics is None and self._default_hp_metric:
             metrics = {DEFAULT_HP_METRIC: -1}
         values = prepare_metrics(metrics or {}, self._prefix)
@@ -286,9 +348,11 @@ class TensorBoardLogger(FolderLogger):
     def state(self) -> dict[str, Any]:
         """``{"version", "step"}``: the run folder and the largest step logged (or None).
 
-        Saves first, so all that the state covers is in the event file, which stays open.
+        Saves first, so all that the state covers is in the event file, which stays open
+        (and claims the run folder: the recorded version is this run's).
         """
         self.save()
+        self.claim()
         return {"version": self.version, "step": self._last_step}
 
     def restore(self, state: Mapping[str, Any]) -> None:

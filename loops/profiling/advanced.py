@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import marshal
 import os
 import pstats
 from typing import Any
@@ -111,8 +112,11 @@ class AdvancedProfiler(Profiler):
                 if self.dump_stats:
                     path = self.output_path(action, ".prof")
                     if path is not None:
-                        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                        stats.dump_stats(path)
+                        from ..loggers.run_files import write_file
+
+                        # what ``Stats.dump_stats`` writes, never through a planted link
+                        data = marshal.dumps(stats.stats)
+                        write_file(self.report_base(path), os.path.abspath(path), data)
                 stats.strip_dirs().sort_stats(self.sort_by).print_stats(self.line_count_restriction)
                 parts.append(f"Profile stats for: {action}\n{stream.getvalue()}")
             return "\n".join(parts)

@@ -63,6 +63,9 @@ class Profiler:
         self._stage: str | None = None
         self._rank: int | None = None
         self._log_dir: str | None = None
+        # the folder at or above the run folder the Trainer trusts (its logger's root_dir):
+        # links below it are refused when a report is written into the run folder
+        self._log_root: str | None = None
         self._primary = True
         self.printer: Callable[[str], None] | None = None
         #: The report file the last ``describe()`` wrote (None before).
@@ -127,6 +130,30 @@ class Profiler:
         if printer is not None:
             self.printer = printer
 
+    def uses_run_folder(self, fn: str) -> bool:
+        """Whether a run of ``fn`` writes a report into the run folder (no ``dirpath``):
+        the Trainer then gives the run a version folder of its own."""
+        return self.dirpath is None
+
+    def use_log_root(self, root: str | None) -> None:
+        """Where the run folder's trusted part ends (the Trainer passes its logger's
+        ``root_dir`` at each run): a report written into the run folder (``dirpath``
+        None) is refused if a link was planted between that root and the report."""
+        self._log_root = root
+
+    def report_base(self, path: str) -> str:
+        """The folder the report ``path`` is written under without following links below
+        it (``loggers.run_files``): ``dirpath`` when given (the user chose it), else the
+        trusted root of the run folder (``use_log_root``) when the report is under it,
+        else the report's own folder."""
+        folder = os.path.abspath(os.path.dirname(path) or ".")
+        root = self._log_root
+        if self.dirpath is None and root is not None:
+            root = os.path.abspath(root)
+            if os.path.commonpath([root, folder]) == root:
+                return root
+        return folder
+
     def teardown(self, stage: str | None = None) -> None:
         """Called by the loops when a run ends (after ``describe``)."""
 
@@ -137,9 +164,10 @@ class Profiler:
             return
         path = self.output_path()
         if path is not None:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            from ..loggers.run_files import write_file  # on use: it imports the loggers
+
+            # its folder made and the file written without following a planted link
+            write_file(self.report_base(path), os.path.abspath(path), (text + "\n").encode())
             self.report_path = path
         if self._primary:
             (self.printer or print)(text)
@@ -179,6 +207,9 @@ class PassThroughProfiler(Profiler):
     """The profiler of a run without profiling: every method does nothing, and
     ``profile()`` returns one shared null context. The loops do not even call it on the
     hot path (they check for it once per run); it is what ``trainer.profiler`` is then."""
+
+    def uses_run_folder(self, fn: str) -> bool:
+        return False  # it writes nothing
 
     def start(self, action: str) -> None:
         return None

@@ -122,7 +122,12 @@ class PyTorchProfiler(Profiler):
         on_trace_ready = None
         folder = self.output_dir()
         if self.export_to_chrome and folder is not None:
-            os.makedirs(folder, exist_ok=True)
+            # the folder made without following a planted link (the trace files in it are
+            # written by torch.profiler itself)
+            from ..loggers.run_files import make_folder  # on use: it imports the loggers
+
+            folder = os.path.abspath(folder)
+            make_folder(self.report_base(os.path.join(folder, "trace")), folder)
             on_trace_ready = torch.profiler.tensorboard_trace_handler(
                 folder, worker_name=self.prepare_filename(extension=""), use_gzip=self.use_gzip
             )
