@@ -182,3 +182,15 @@ def test_two_ranks_write_their_shards_and_merge_into_dataset_order(tmp_path):
     assert merged[0].shape == (13, 3)
     torch.testing.assert_close(merged[0], expected(), rtol=1e-6, atol=1e-6)
     assert torch.equal(merge_predictions(batch_files)[0], merged[0])
+
+
+def test_merge_refuses_a_crafted_prediction_file(tmp_path):
+    """merge_predictions reads files as checkpoints are read: a stride-0 tensor that would
+    expand to 512 MiB is refused naming the file, never materialised."""
+    from purestep.engine.checkpoint import CheckpointError
+    from purestep.loops.callbacks import merge_predictions
+
+    path = tmp_path / "predictions_rank0.pt"
+    torch.save({"indices": [torch.arange(2)], "predictions": [torch.zeros(1).expand(2**27)]}, path)
+    with pytest.raises(CheckpointError, match="predictions_rank0.pt"):
+        merge_predictions(tmp_path)

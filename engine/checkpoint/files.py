@@ -20,7 +20,9 @@ on the template's devices unless ``map_location`` says otherwise. ``check_plain`
 rule for data that hooks add to a checkpoint (``loops``: a Task's ``on_save_checkpoint``,
 a DataModule's ``state_dict``, hyper-parameters): tensors, numbers, strings, ``None``,
 dtypes, devices and dicts/lists/tuples of them, no ``@struct`` objects, both when it is
-written and when it is read back.
+written and when it is read back, within ``codec``'s budget of values and string bytes.
+What a file may make ``read`` and ``load`` build is bounded before anything is built: see
+``safe_load`` (the pickle's expansion, tensor layouts) and ``codec`` (the decoded size).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from . import storage
-from .codec import MAX_DEPTH, CheckpointError, decode, encode
+from .codec import MAX_DEPTH, Budget, CheckpointError, _at, _label, decode, encode
 from .matching import conform, fit_to
 from .safe_load import corrupt, open_archive, read_entry, torch_load
 
@@ -195,9 +197,7 @@ def read(
         url, map_location=map_location, commit=commit, storage_options=storage_options
     )
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        keys = (
-            sorted(map(str, payload))[:8] if isinstance(payload, dict) else type(payload).__name__
-        )
+        keys = _some_keys(payload) if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(
             f"{url} is not a purestep checkpoint (found {keys}); to start from another "
             "framework's weights use engine.checkpoint.load_weights"
@@ -210,6 +210,21 @@ def read(
             f"reads ({FORMAT_VERSION}); upgrade purestep"
         )
     return payload
+
+
+def _some_keys(payload: dict[Any, Any]) -> list[str]:
+    """Up to 8 of a foreign payload's keys for a message: strings cut to 40 characters,
+    non-string keys by their type (``str`` of a crafted key made of shared tuples would
+    not finish)."""
+    shown = []
+    for key in payload:
+        if isinstance(key, str):
+            shown.append(key if len(key) <= 40 else f"{key[:40]}...")
+        else:
+            shown.append(str(key) if isinstance(key, (int, float)) else type(key).__name__)
+        if len(shown) == 8:
+            break
+    return sorted(shown)
 
 
 def load_metadata(url: str, **kwargs: Any) -> dict[str, Any]:
@@ -281,12 +296,21 @@ def check_plain(value: Any, what: str, *, url: str | None = None) -> Any:
     Structs are refused although the codec could carry them: decoding a file rebuilds
     registered purestep ``@struct`` classes (and nothing else), so check_plain refuses
     them afterwards, and hook data that reaches a hook is plain, whatever a crafted file
-    says."""
-    _check_plain(value, what, 0, url)
+    says. The walk counts against a ``codec.Budget`` (every use of a shared value counted
+    again), so data that would expand past what a checkpoint may hold is refused before
+    it is walked further."""
+    budget = Budget("decode" if url is not None else "encode")
+    try:
+        _check_plain(value, what, 0, url, budget)
+    except CheckpointError as err:
+        if url is not None and not str(err).startswith(url):
+            raise CheckpointError(f"{url}: {err}") from None
+        raise
     return value
 
 
-def _check_plain(value: Any, path: str, depth: int, url: str | None) -> None:
+def _check_plain(value: Any, path: str, depth: int, url: str | None, budget: Budget) -> None:
+    budget.spend(len(value) if type(value) is str else 0, path)
     if value is None or isinstance(value, (torch.Tensor, *_PLAIN_LEAVES)):
         return
     plain_tuple = isinstance(value, tuple) and not hasattr(value, "_fields")
@@ -296,11 +320,14 @@ def _check_plain(value: Any, path: str, depth: int, url: str | None) -> None:
         if isinstance(value, dict):
             for k, v in value.items():
                 if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise CheckpointError(f"{path}: the dict key {k!r} is not a str or a number")
-                _check_plain(v, f"{path}[{k!r}]", depth + 1, url)
+                    raise CheckpointError(
+                        f"{path}: the dict key {repr(k)[:100]} is not a str or a number"
+                    )
+                budget.text -= len(k) if isinstance(k, str) else 0
+                _check_plain(v, _at(path, f"[{_label(k)}]"), depth + 1, url, budget)
         else:
             for i, v in enumerate(value):
-                _check_plain(v, f"{path}[{i}]", depth + 1, url)
+                _check_plain(v, _at(path, f"[{i}]"), depth + 1, url, budget)
         return
     kind = type(value).__name__
     plain = "plain data (tensors, numbers, strings, None and dicts/lists/tuples of them)"

@@ -6,7 +6,8 @@ and persistent buffers under every name the module uses, tied weights included).
 holding one, or a Lightning-style ``.ckpt`` (a dict with a ``"state_dict"`` entry, keys
 usually prefixed by the attribute that held the model) into a state, as initial parameters
 for fine-tuning. Files are read with ``weights_only=True``; a file that needs arbitrary
-objects is refused with advice rather than unpickled.
+objects is refused with advice rather than unpickled, and so is one whose tensors need more
+data than their storage holds (a stride-0 ``expand``-ed view; see ``safe_load``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from purestep.engine import tree
+from purestep.engine.checkpoint import safe_load
 
 from ..events import Context
 from ..loggers import run_files
@@ -285,8 +286,8 @@ def merge_predictions(source: str | os.PathLike[str] | Sequence[str]) -> list[An
 
     ``source``: the folder a ``PredictionWriter`` wrote to (its per-rank epoch files if there
     are any, else its per-batch files) or a list of its files. Samples that the sharding
-    repeated on several ranks (to give every rank as many) appear once. Files are read with
-    ``torch.load(weights_only=True)``: they hold data only.
+    repeated on several ranks (to give every rank as many) appear once. Files are read as
+    checkpoint files are (``engine.checkpoint.safe_load.torch_load``): data only, bounded.
     """
     files = _files(source)
     if not files:
@@ -294,7 +295,8 @@ def merge_predictions(source: str | os.PathLike[str] | Sequence[str]) -> list[An
     by_loader: dict[int, dict[int, Any]] = {}
     world_sizes: set[int] = set()
     for path in files:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        # checked as a checkpoint file is (archive layout, pickle scan, tensor layouts)
+        data = safe_load.torch_load(path)
         if not isinstance(data, dict) or "predictions" not in data or "batch_indices" not in data:
             raise ValueError(f"{path}: not a PredictionWriter file (no predictions/batch_indices)")
         if "world_size" in data:
