@@ -115,6 +115,14 @@ def _kill_at(monkeypatch, step: str, name: str, save: int = 0, *, writer: str = 
         monkeypatch.setattr(commit, "_temp_name", _WRITERS[writer])
 
 
+def _kill_during(monkeypatch, run, step: str, name: str, save: int = 0, **kw) -> None:
+    """``run()`` killed as ``_kill_at`` says (the patches undone after it)."""
+    with monkeypatch.context() as kill:
+        _kill_at(kill, step, name, save, **kw)
+        with pytest.raises(_Killed):
+            run()
+
+
 def _states(n: int):
     """Engine states after 1..n steps (plain tensors)."""
     out, state = [], None
@@ -223,10 +231,7 @@ def test_the_trainer_resumes_from_the_newest_state_after_a_kill_at_any_step(
     folder = str(tmp_path)
     ckpt = f"{folder}/ckpt"
     monkeypatch.setattr(resume, "_sharded", lambda state: True)  # write as FSDP ranks do
-    with monkeypatch.context() as kill:
-        _kill_at(kill, step, "last.ckpt", save=3)
-        with pytest.raises(_Killed):
-            _fit(_trainer(folder, 4))
+    _kill_during(monkeypatch, lambda: _fit(_trainer(folder, 4)), step, "last.ckpt", save=3)
     _date_back(ckpt)
     want = 3 if STEPS.index(step) >= NEW_FROM else 2
     first: list[int] = []
@@ -249,10 +254,7 @@ def test_a_fresh_fit_writes_beside_a_commit_cut_short(tmp_path, monkeypatch):
     folder = str(tmp_path)
     ckpt = f"{folder}/ckpt"
     monkeypatch.setattr(resume, "_sharded", lambda state: True)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "retired", "last.ckpt", save=2)
-        with pytest.raises(_Killed):
-            _fit(_trainer(folder, 3))
+    _kill_during(monkeypatch, lambda: _fit(_trainer(folder, 3)), "retired", "last.ckpt", save=2)
     _date_back(ckpt)
     assert "last.ckpt" not in os.listdir(ckpt)
     trainer = _trainer(folder, 1)
@@ -429,10 +431,7 @@ def test_a_fresh_fit_beside_a_commit_whose_writer_may_live_takes_another_name(
     folder = str(tmp_path)
     ckpt = f"{folder}/ckpt"
     monkeypatch.setattr(resume, "_sharded", lambda state: True)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "retired", "last.ckpt", save=3)
-        with pytest.raises(_Killed):
-            _fit(_trainer(folder, 4))
+    _kill_during(monkeypatch, lambda: _fit(_trainer(folder, 4)), "retired", "last.ckpt", save=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _fit(_trainer(folder, 1))  # fresh: no ckpt_path, no date back
@@ -452,10 +451,9 @@ def test_cleanup_of_a_relative_folder_keeps_the_newest_state(tmp_path, monkeypat
     os.mkdir("ckpt")
     one, two = _states(2)
     sharded.save(one, "ckpt/last.ckpt")
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "retired", "last.ckpt", save=1)
-        with pytest.raises(_Killed):
-            sharded.save(two, "ckpt/last.ckpt")
+    _kill_during(
+        monkeypatch, lambda: sharded.save(two, "ckpt/last.ckpt"), "retired", "last.ckpt", save=1
+    )
     _date_back("ckpt")
 
     def cannot_place(new: str, path: str):
@@ -544,15 +542,11 @@ def test_a_cleanup_killed_while_it_places_leaves_the_newest_state_for_the_next(
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "committed", "last.ckpt", save=1)  # old at the name, new hidden
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    # old at the name, new hidden
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), "committed", "last.ckpt", save=1)
     _date_back(folder)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, step, "last.ckpt")  # the cleanup's own steps
-        with pytest.raises(_Killed):
-            sharded.recover(folder)
+    # the cleanup's own steps
+    _kill_during(monkeypatch, lambda: sharded.recover(folder), step, "last.ckpt")
     _date_back(folder)
     assert _step_of(sharded.newest(path)) == 2
     assert checkpoint.load_latest(folder)[1].progress.step == 2
@@ -568,10 +562,7 @@ def test_a_sharded_save_over_a_plain_file_killed_at_any_step_keeps_the_newest(
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     checkpoint.save(one, path)  # a plain file: a DDP run's, resumed under FSDP
-    with monkeypatch.context() as kill:
-        _kill_at(kill, step, "last.ckpt", save=1)
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), step, "last.ckpt", save=1)
     _date_back(folder)
     want = 2 if STEPS.index(step) >= NEW_FROM else 1
     assert checkpoint.load_latest(folder, tensors=False)[1].progress.step == want
@@ -591,10 +582,13 @@ def test_a_plain_save_over_a_sharded_folder_killed_at_any_step_keeps_the_newest(
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, step, "last.ckpt", save=1)
-        with pytest.raises(_Killed):
-            sharded.replace_with_file(path, lambda temp: checkpoint.save(two, temp))
+    _kill_during(
+        monkeypatch,
+        lambda: sharded.replace_with_file(path, lambda temp: checkpoint.save(two, temp)),
+        step,
+        "last.ckpt",
+        save=1,
+    )
     _date_back(folder)
     want = 2 if sharded.REPLACE_STEPS.index(step) >= 2 else 1
     assert checkpoint.load_latest(folder)[1].progress.step == want
@@ -631,17 +625,14 @@ def test_a_place_discards_the_older_hidden_versions_of_writers_not_provably_aliv
     path = os.path.join(folder, "last.ckpt")
     one, two, three = _states(3)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "retired", "last.ckpt", save=1)
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), "retired", "last.ckpt", save=1)
     assert len(_committed(folder)) == 2
     sharded.save(three, path)
     assert os.listdir(folder) == ["last.ckpt"] and _step_of(path) == 3
-    with monkeypatch.context() as kill:  # this process's own identity: alive
-        _kill_at(kill, "placed", "last.ckpt", save=1, writer="self")
-        with pytest.raises(_Killed):
-            sharded.save(one, path)
+    # this process's own identity: alive
+    _kill_during(
+        monkeypatch, lambda: sharded.save(one, path), "placed", "last.ckpt", save=1, writer="self"
+    )
     sharded.save(two, path)
     assert sorted(_committed(folder).values()) == [2, 3]  # the live writer's retired one
 
@@ -653,10 +644,8 @@ def test_cleanup_deletes_marker_first_so_a_kill_leaves_no_partial_committed_fold
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "placed", "last.ckpt", save=1)  # the retired folder is left
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    # the retired folder is left
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), "placed", "last.ckpt", save=1)
     _date_back(folder)
     rmtree = shutil.rmtree
 
@@ -690,10 +679,9 @@ def test_evicting_a_name_whose_newest_state_is_hidden_removes_its_versions(tmp_p
     for name in ("x.ckpt", "y.ckpt"):
         path = os.path.join(folder, name)
         sharded.save(one, path)
-        with monkeypatch.context() as kill:
-            _kill_at(kill, "retired", name, save=1)
-            with pytest.raises(_Killed):
-                sharded.save(two, path)
+        _kill_during(
+            monkeypatch, lambda path=path: sharded.save(two, path), "retired", name, save=1
+        )
     checkpoint.save(two, os.path.join(folder, "y.ckpt"))  # y: a plain file at the name
     for name in ("x.ckpt", "y.ckpt"):
         assert sharded.newest(os.path.join(folder, name)) is not None
@@ -711,10 +699,7 @@ def test_a_fit_resumed_from_a_hidden_newest_state_records_where_cleanup_moved_it
     folder = str(tmp_path)
     ckpt = f"{folder}/ckpt"
     monkeypatch.setattr(resume, "_sharded", lambda state: True)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "retired", "last.ckpt", save=3)
-        with pytest.raises(_Killed):
-            _fit(_trainer(folder, 4))
+    _kill_during(monkeypatch, lambda: _fit(_trainer(folder, 4)), "retired", "last.ckpt", save=3)
     _date_back(ckpt)
     first: list[int] = []
     trainer = _trainer(folder, 4, first)
@@ -731,10 +716,7 @@ def test_discovery_keeps_a_name_whose_writer_places_it_during_the_listing(tmp_pa
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "committed", "last.ckpt", save=1)
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), "committed", "last.ckpt", save=1)
     newest_in = sharded.newest_in
 
     def placed_right_after(where):
@@ -755,10 +737,7 @@ def test_discovery_falls_back_to_the_name_when_its_hidden_newest_state_fails(tmp
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "committed", "last.ckpt", save=1)
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), "committed", "last.ckpt", save=1)
     hidden = sharded.newest(path)
     shard = next(f for f in os.listdir(hidden) if f.endswith(".distcp"))
     os.remove(os.path.join(hidden, shard))  # its data is gone: peek refuses it
@@ -990,10 +969,8 @@ def test_an_explicit_ckpt_path_is_resolved_by_rank_0_for_every_rank(tmp_path, mo
     path = os.path.join(folder, "last.ckpt")
     one, two = _states(2)
     sharded.save(one, path)
-    with monkeypatch.context() as kill:
-        _kill_at(kill, "committed", "last.ckpt", save=1)  # a live writer, between steps
-        with pytest.raises(_Killed):
-            sharded.save(two, path)
+    # a live writer, between steps
+    _kill_during(monkeypatch, lambda: sharded.save(two, path), "committed", "last.ckpt", save=1)
     hidden = sharded.newest(path)
     got = hardware.launch(resolve_explicit, 2, folder, max_seconds=90, **fsdp_job.LAUNCH)
     assert got == [hidden, hidden]

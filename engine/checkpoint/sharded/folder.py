@@ -9,10 +9,12 @@ manifest of this format is read. The small files are written and flushed here
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
 
+from .. import storage
 from ..codec import CheckpointError
 
 SHARDED_FORMAT = "purestep-sharded"
@@ -96,13 +98,5 @@ def _write_file(path: str, data: bytes) -> None:
 def _fsync_dir(path: str) -> None:
     """Flush the folder ``path``'s entries (renames, new files) to the device, where the
     platform can; a folder that cannot be opened or flushed is left as it is."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):
+        storage._fsync_dir(path)
