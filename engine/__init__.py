@@ -16,23 +16,15 @@ from .lazy import exports
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from . import checkpoint, compile, metrics, optim, per_sample, rng, tree
     from .bind import Binder, canonical_names
+    from .builders import eval_step, predict_step, train_step
+    from .eval_steps import EvalStep, PredictStep
     from .export import to_module
+    from .gradients import owned_gradients
+    from .loss_output import SKIP, batch_size
     from .loss_scale import DynamicLossScale, LossScaleState
     from .per_sample import PerSampleStep, per_sample_step
     from .state import Progress, TrainState, init, materialize, trainable_names
-    from .step import (
-        SKIP,
-        EvalStep,
-        Gradients,
-        PredictStep,
-        StepOutput,
-        TrainStep,
-        batch_size,
-        eval_step,
-        owned_gradients,
-        predict_step,
-        train_step,
-    )
+    from .step import Gradients, StepOutput, TrainStep
     from .strategy import Local, Precision, Strategy
     from .tree import field, struct
 
@@ -67,22 +59,11 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         n: (".state", n)
         for n in ("Progress", "TrainState", "init", "materialize", "trainable_names")
     },
-    **{
-        n: (".step", n)
-        for n in (
-            "EvalStep",
-            "Gradients",
-            "PredictStep",
-            "SKIP",
-            "StepOutput",
-            "TrainStep",
-            "batch_size",
-            "eval_step",
-            "owned_gradients",
-            "predict_step",
-            "train_step",
-        )
-    },
+    **{n: (".builders", n) for n in ("eval_step", "predict_step", "train_step")},
+    **{n: (".eval_steps", n) for n in ("EvalStep", "PredictStep")},
+    "owned_gradients": (".gradients", "owned_gradients"),
+    **{n: (".loss_output", n) for n in ("SKIP", "batch_size")},
+    **{n: (".step", n) for n in ("Gradients", "StepOutput", "TrainStep")},
     **{n: (".strategy", n) for n in ("Local", "Precision", "Strategy")},
     **{n: (".tree", n) for n in ("field", "struct")},
 }

@@ -22,12 +22,15 @@ the root is already in the requested mode its flags are left as the template has
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["Binder", "canonical_names"]
+if TYPE_CHECKING:
+    from .state import TrainState
+
+__all__ = ["Binder", "canonical_names", "export_state_dict"]
 
 
 def _canonical(model: nn.Module, named: str) -> dict[str, str]:
@@ -207,3 +210,18 @@ class _Bound:
         for m in self._saved_modes:
             m.training = not self._training
         self._saved_modes = []
+
+
+def export_state_dict(state: TrainState, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The state's weights as a ``state_dict`` (with ``model``: its exact keys and order)."""
+    tensors = {**state.params, **state.buffers}
+    if model is None:
+        return dict(tensors)
+    by_slot = canonical_names(model)
+    out = {}
+    for key in model.state_dict(keep_vars=True):
+        source = by_slot.get(key)
+        if source is None or source not in tensors:
+            raise KeyError(f"the state has no tensor for {key!r} of the model's state_dict")
+        out[key] = tensors[source]
+    return out

@@ -42,6 +42,10 @@ assembling of the new state.
 Compiled and eager steps are different kernels: they agree to float32 rounding (the tests
 use ``rtol=1e-4, atol=1e-5`` on parameters after a few Adam steps), while a compiled run
 repeats bitwise against itself, in process, in a fresh process and across a resume.
+
+This module holds the compiled train step and ``compiled``; the options live in
+``engine.compile_options``, the backend and graph pieces in ``engine.compile_graphs``, the
+compiled eval/predict steps in ``engine.compile_forward`` (all importable from here).
 """
 
 from __future__ import annotations
@@ -49,31 +53,36 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-import time
 import types
-import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import optim, rng
-from .optim import base as optim_base
-from .optim.hyperparams import InjectHyperparamsState
-from .state import TrainState
-from .step import (
-    SKIP_UNSUPPORTED,
-    EvalStep,
-    Gradients,
-    PredictStep,
-    StepOutput,
-    TrainStep,
-    _raise_params_modified,
-    advance_progress,
-    modified_in_place,
-    owned_gradients,
+from .compile_forward import CompiledEvalStep, CompiledPredictStep, _CompiledForward
+from .compile_graphs import (
+    _OPT_SOURCE,
+    _Backend,
+    _CompileCounts,
+    _construct,
+    _dynamo_error,
+    _Graph,
+    _mark_dynamic,
+    _refuse_skip,
+    _source_names,
+    _traceable_update,
+    _unique,
 )
+from .compile_options import CompileError, CompileOptions, compile_options
+from .eval_steps import EvalStep, PredictStep
+from .gradients import owned_gradients
+from .loss_output import SKIP_UNSUPPORTED
+from .purity import modified_in_place, raise_params_modified, unaliased
+from .state import TrainState
+from .step import Gradients, StepOutput, TrainStep
+from .window import advance_progress
 
 __all__ = [
     "CompileError",
@@ -86,244 +95,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-
-_PREPARED = False
-
-
-def _prepare_dynamo() -> None:
-    """Import dynamo (only when a step is compiled: it is slow to import) and tell it how to
-    read the optimizers' two ambient flags (``is_donating`` / ``owns_updates``, context
-    variables it cannot read). A compiled step sets them around its call, the same way on
-    every call, so their values are constants of its graphs: dynamo evaluates them while
-    tracing."""
-    global _PREPARED
-    if _PREPARED:
-        return
-    import torch._dynamo
-
-    torch._dynamo.assume_constant_result(optim_base.is_donating)
-    torch._dynamo.assume_constant_result(optim_base.owns_updates)
-    _PREPARED = True
-
-
-class CompileError(RuntimeError):
-    """A step function could not be traced as one graph (``fullgraph=True``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileOptions:
-    """How a step is compiled (``compile=CompileOptions(...)``; ``compile=True`` is the default).
-
-    ``backend``: a ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``,
-    ``"eager"``) or callable. ``mode``: inductor's mode (``"default"``, ``"reduce-overhead"``,
-    ``"max-autotune"``, ...; inductor only). ``dynamic``: as ``torch.compile`` (None: static
-    first, then generic in a shape that changes; True: generic from the start; False: one
-    graph per shape). ``fullgraph``: refuse graph breaks (a clear ``CompileError``).
-    ``options``: inductor config patches (``torch._inductor.config`` names).
-    """
-
-    backend: str | Callable[..., Any] = "inductor"
-    mode: str | None = None
-    dynamic: bool | None = None
-    fullgraph: bool = True
-    options: Mapping[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.backend, str) or callable(self.backend)):
-            raise TypeError(f"backend must be a name or a callable, got {self.backend!r}")
-        if self.mode is not None and not isinstance(self.mode, str):
-            raise TypeError(f"mode must be a string or None, got {self.mode!r}")
-        if self.mode is not None and self.backend != "inductor":
-            raise ValueError(f"mode={self.mode!r} applies to the inductor backend only")
-        if self.mode is not None:  # an unknown mode fails here, not at the first step
-            import torch._inductor
-
-            try:
-                torch._inductor.list_mode_options(self.mode, self.dynamic)
-            except RuntimeError as exc:
-                raise ValueError(f"unknown inductor mode {self.mode!r}: {exc}") from None
-        if self.dynamic not in (None, True, False):
-            raise TypeError(f"dynamic must be None, True or False, got {self.dynamic!r}")
-        if not isinstance(self.fullgraph, bool):
-            raise TypeError(f"fullgraph must be a bool, got {self.fullgraph!r}")
-        if self.options is not None and not isinstance(self.options, Mapping):
-            raise TypeError(f"options must be a mapping, got {type(self.options).__name__}")
-
-
-def compile_options(value: Any) -> CompileOptions | None:
-    """``compile=`` as given to a step builder: None/False (eager), True, a ``CompileOptions``
-    or a dict of its fields."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return CompileOptions()
-    if isinstance(value, CompileOptions):
-        return value
-    if isinstance(value, Mapping):
-        known = {f.name for f in dataclasses.fields(CompileOptions)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise TypeError(f"unknown compile options {unknown}; known: {sorted(known)}")
-        return CompileOptions(**value)
-    raise TypeError(
-        f"compile must be a bool, a CompileOptions or a dict of its fields, got "
-        f"{type(value).__name__}"
-    )
-
-
-# ---------------------------------------------------------------------- compiling one function
-
-
-class _Backend:
-    """The compiler ``torch.compile`` calls once per graph: counts graphs and compile time."""
-
-    def __init__(self, options: CompileOptions) -> None:
-        _prepare_dynamo()
-        self.options = options
-        self.compilations = 0
-        self.seconds = 0.0
-        patches: dict[str, Any] = {}
-        if options.backend == "inductor":
-            if options.mode is not None:
-                patches.update(torch._inductor.list_mode_options(options.mode, options.dynamic))
-            patches.update(options.options or {})
-        elif options.options:
-            raise ValueError("options (inductor config patches) apply to the inductor backend")
-        self._patches = patches
-        self._inner = (
-            options.backend
-            if callable(options.backend)
-            else torch._dynamo.lookup_backend(options.backend)
-            if options.backend != "inductor"
-            else None
-        )
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        start = time.perf_counter()
-        try:
-            if self._inner is None:
-                from torch._inductor.compile_fx import compile_fx
-
-                compiled = compile_fx(gm, example_inputs, config_patches=self._patches)
-            else:
-                compiled = self._inner(gm, example_inputs)
-        finally:
-            self.seconds += time.perf_counter() - start
-        self.compilations += 1  # graphs compiled (an attempt dynamo restarts is not one)
-        return compiled
-
-
-def _unique() -> str:
-    """A name part no other graph has, in this process or any other: dynamo keeps what it
-    learnt about a function (automatic dynamic shapes, also on disk as its profile-guided
-    state) under its file, line and name, and a graph must not start from what another
-    step's graph learnt (it would compile generic shapes, which round differently)."""
-    return uuid.uuid4().hex[:16]
-
-
-def _fresh(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` with a code object of its own: dynamo keeps its graphs (and its recompilation
-    limit) per code object, so each step's graphs live apart from every other step's."""
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-
-
-def _source_names(tree: Any, prefix: str) -> list[str]:
-    """dynamo's source names of the int leaves of ``tree`` (struct fields, dict entries,
-    tuple items), to mark them dynamic."""
-    out: list[str] = []
-    if isinstance(tree, bool):
-        return out
-    if isinstance(tree, int):
-        return [prefix]
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        for f in dataclasses.fields(tree):
-            out += _source_names(getattr(tree, f.name), f"{prefix}.{f.name}")
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            if isinstance(k, str):
-                out += _source_names(v, f"{prefix}[{k!r}]")
-    elif isinstance(tree, (tuple, list)):
-        for i, v in enumerate(tree):
-            out += _source_names(v, f"{prefix}[{i}]")
-    return out
-
-
-def _construct(exc: BaseException) -> str:
-    """The first lines of dynamo's explanation (what it could not trace, and where)."""
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    keep = []
-    for ln in lines:
-        if ln.strip().startswith(
-            ("Set TORCHDYNAMO_VERBOSE", "For more information", "Developer debug")
-        ):
-            continue
-        keep.append(ln)
-        if len(keep) >= 14:
-            break
-    return "\n".join(keep)
-
-
-def _refuse_skip(exc: BaseException) -> None:
-    """A loss function that skipped its batch inside a traced step: torch.compile reports
-    the refusal wrapped in its own error; raise the refusal itself."""
-    if SKIP_UNSUPPORTED in str(exc):
-        raise ValueError(SKIP_UNSUPPORTED) from None
-
-
-def _dynamo_error(exc: BaseException) -> bool:
-    return isinstance(exc, torch._dynamo.exc.TorchDynamoException)
-
-
-#: dynamo's source name of the optimizer state argument of the graphs below.
-_OPT_SOURCE = "L['purestep_opt_state']"
-
-
-def _mark_dynamic(sources: list[str]) -> None:
-    """Add ``sources`` to ``torch.compiler.config.dynamic_sources`` (for good: patching the
-    config around every call costs about 50 us). The names start with the argument name
-    ``purestep_opt_state``, which only this module's graphs use."""
-    config = torch.compiler.config
-    known = [s for s in config.dynamic_sources.split(",") if s]
-    new = [s for s in sources if s not in known]
-    if new:
-        config.dynamic_sources = ",".join(known + new)
-
-
-class _Graph:
-    """One function compiled with one step's options."""
-
-    def __init__(self, fn: Callable[..., Any], name: str, backend: _Backend) -> None:
-        opts = backend.options
-        self.compiled = torch.compile(
-            _fresh(fn, name), backend=backend, dynamic=opts.dynamic, fullgraph=opts.fullgraph
-        )
-
-    def __call__(self, *args: Any) -> Any:
-        return self.compiled(*args)
-
-
-def _traceable_update(opt_state: Any) -> bool:
-    """Whether the optimizer's state says its update can be traced (``inject_hyperparams``
-    rebuilds its transform from Python floats read from tensors: it cannot)."""
-    found = []
-
-    def visit(x: Any) -> None:
-        if isinstance(x, InjectHyperparamsState):
-            found.append(x)
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            for f in dataclasses.fields(x):
-                visit(getattr(x, f.name))
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (tuple, list)):
-            for v in x:
-                visit(v)
-
-    visit(opt_state)
-    return not found
 
 
 # ---------------------------------------------------------------------- the train step
@@ -343,20 +114,6 @@ class _FusedGradients(Gradients):
 
 
 _COMPILED_CLASSES: dict[type, type] = {}
-
-
-class _CompileCounts:
-    """``compilations`` and ``compile_seconds`` of a compiled step, from its ``_backend``."""
-
-    _backend: _Backend
-
-    @property
-    def compilations(self) -> int:
-        return self._backend.compilations
-
-    @property
-    def compile_seconds(self) -> float:
-        return self._backend.seconds
 
 
 class CompiledTrainStep(_CompileCounts, TrainStep):
@@ -611,7 +368,7 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         if written:
             return  # the graph wrote the donated parameters itself
         if [p._version for p in state.params.values()] != param_versions:
-            _raise_params_modified(modified_in_place(state.params, param_versions))
+            raise_params_modified(modified_in_place(state.params, param_versions))
         changed = modified_in_place(kept, kept_versions)
         if changed:
             raise RuntimeError(
@@ -698,9 +455,7 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         fused: _Fused = grads.buffers_before  # type: ignore[assignment]
         output = grads.output
         if self.donate and output.metrics:
-            from .step import _unaliased
-
-            safe = _unaliased(output.metrics, state)
+            safe = unaliased(output.metrics, state)
             if safe is not output.metrics:  # the usual: nothing shared, no new output
                 output = output.replace(metrics=safe)
         new_state = state.replace(
@@ -710,59 +465,6 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
             grad_accum=None,
         )
         return new_state, output.replace(grad_norms=fused.norms)
-
-
-# ---------------------------------------------------------------------- eval and predict
-
-
-class _CompiledForward(_CompileCounts):
-    """The eval/predict steps' forward pass as a compiled graph (no grad, eval mode)."""
-
-    def _init_compiled(self, options: CompileOptions | None) -> None:
-        self.options = options if options is not None else CompileOptions()
-        self._backend = _Backend(self.options)
-        self._compiled_graph: _Graph | None = None
-
-    def _forward(self, params: dict, buffers: dict, batch: Any) -> Any:
-        graph = self._compiled_graph
-        if graph is None:
-            binder, fn, precision = self.binder, self.fn, self.strategy.precision
-
-            def forward_graph(params, buffers, batch):
-                with binder.bind(params, buffers, False) as apply, precision.autocast():
-                    return fn(apply, batch)
-
-            name = f"purestep_{type(self).__name__}_{_unique()}"
-            graph = self._compiled_graph = _Graph(forward_graph, name, self._backend)
-        try:
-            return graph(params, buffers, batch)
-        except Exception as exc:
-            if not _dynamo_error(exc):
-                raise
-            super()._forward(params, buffers, batch)  # the function's own error, if any
-            from .user_errors import describe_function
-
-            raise CompileError(
-                f"torch.compile could not trace {self._stage} of {describe_function(self.fn)} "
-                f"as one graph (fullgraph=True), though it runs eagerly:\n{_construct(exc)}\n"
-                "Fallbacks: compile=CompileOptions(fullgraph=False), or compile=False."
-            ) from exc
-
-
-class CompiledEvalStep(_CompiledForward, EvalStep):
-    """An ``EvalStep`` whose forward pass is compiled."""
-
-    def __init__(self, *args: Any, options: CompileOptions | None = None, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._init_compiled(options)
-
-
-class CompiledPredictStep(_CompiledForward, PredictStep):
-    """A ``PredictStep`` whose forward pass is compiled."""
-
-    def __init__(self, *args: Any, options: CompileOptions | None = None, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._init_compiled(options)
 
 
 def compiled(step: Any, options: Any = True) -> Any:

@@ -16,11 +16,10 @@ import copy
 import torch
 from torch import nn
 
-from .bind import canonical_names
-from .checkpoint.interop import export_state_dict
+from .bind import canonical_names, export_state_dict
 from .state import TrainState
 
-__all__ = ["to_module"]
+__all__ = ["export_state_dict", "to_module"]
 
 #: Where an ensemble state keeps its member keys in ``state.extra`` (``hardware.members``;
 #: the engine does not import ``hardware``).

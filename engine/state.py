@@ -3,10 +3,10 @@
 ``TrainState`` carries the parameters and buffers (detached tensors, keyed by the names
 ``nn.Module.named_parameters`` / ``named_buffers`` give), the optimizer state, the loop
 ``Progress``, the run's random key, the callbacks' states, the gradient accumulator of an
-open accumulation window, the loss-scaler state of mixed precision, and ``extra`` for any
-loop that needs more. Nothing that influences the future of a run lives anywhere else, so
-saving this tree is saving the run. ``init`` builds one from an ``nn.Module`` template
-without touching the module.
+open accumulation window, the loss-scaler state of mixed precision, the loops' own state
+(``loop``) and ``extra`` for anything else a loop needs. Nothing that influences the future
+of a run lives anywhere else, so saving this tree is saving the run. ``init`` builds one
+from an ``nn.Module`` template without touching the module.
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ class Progress:
 
 @struct
 class TrainState:
-    """Everything a training run is, as a pytree. Update it with ``state.replace(...)``."""
+    """Everything a training run is, as a pytree. Update it with ``state.replace(...)``.
+
+    ``loop`` is the loops' own state (``purestep.loops.LoopState``: stop request, the values
+    callbacks see, epoch accumulators, reload epochs), read and replaced like ``progress``.
+    The engine runs no loop, so it neither types nor fills it: it is None until a loop first
+    runs on the state, and every loop entry point fills it in (``loops.loop_state.ready``).
+    """
 
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
@@ -56,6 +62,7 @@ class TrainState:
     grad_accum: dict[str, torch.Tensor] | None = None
     precision: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    loop: Any = None  # last: positional construction from before the field keeps its meaning
 
 
 def trainable_names(model: nn.Module) -> list[str]:

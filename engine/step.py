@@ -1,27 +1,33 @@
-"""Pure step functions: ``step(state, batch) -> (new_state, out)`` built from a module template.
+"""The train step: ``step(state, batch) -> (new_state, StepOutput)``, in two halves.
 
-``train_step`` runs the user's loss function on the module bound to the state's parameters
+``TrainStep`` runs the user's loss function on the module bound to the state's parameters
 and buffers, takes gradients, accumulates them over micro-batches when asked, reduces them
 across processes through the strategy, unscales them for float16, and applies the
 optimizer. The input state is never modified (unless ``donate=True`` hands its storage to
 the step) and every random draw inside the step comes from a key derived from the state's
 key, the optimizer step, the micro-batch and the rank, so a step is a pure function of
-``(state, batch)``. ``eval_step`` and ``predict_step`` run without gradients in eval mode.
+``(state, batch)``. ``backward`` (forward, backward, accumulation) and ``apply`` (the
+optimizer update) are its halves; ``Gradients`` passes between them and ``StepOutput`` is
+what a step reports.
 
 The loss function has the signature ``loss_fn(apply, batch)``; ``apply`` is the module,
 bound to the state's tensors for the duration of the call (call it, or its submodules, like
-the ``nn.Module`` it is; do not keep it beyond the call). It returns a scalar loss, a
-``(loss, metrics)`` pair, or a dict with a ``"loss"`` key and metrics. An exception it
-raises propagates unchanged but for one note naming the function, the step and the batch's
-structure; a Lightning-style ``(batch, batch_idx)`` signature is refused when the step is
-built (``user_errors``). The eval and predict functions are treated the same way.
+the ``nn.Module`` it is; do not keep it beyond the call). What it returns is read by
+``loss_output``. An exception it raises propagates unchanged but for one note naming the
+function, the step and the batch's structure; a Lightning-style ``(batch, batch_idx)``
+signature is refused when the step is built (``user_errors``).
 
 **Purity checks.** A forward pass must not modify the state's parameters in place (weight
 clipping with ``w.clamp_()`` under ``no_grad``, say): every step compares the parameters'
 version counters before and after the forward pass and raises ``RuntimeError`` if one
-moved. The eval and predict steps check the buffers the same way. The train step copies
-the buffers the forward pass updates (BatchNorm statistics) and binds the others uncopied;
-see ``TrainStep`` for how it tells them apart.
+moved (``purity``). The train step copies the buffers the forward pass updates (BatchNorm
+statistics) and binds the others uncopied; see ``TrainStep`` for how it tells them apart.
+
+The builders (``engine.train_step``, ``eval_step``, ``predict_step``) are in ``builders``
+(import them from ``purestep.engine``; ``purestep.engine.step`` no longer holds them, since
+the builders choose between this module and ``engine.compile``, which builds on it); the
+eval and predict steps are in ``eval_steps``. This module re-exports the step API that
+strategies and loops build on (``EvalStep``, ``SKIP``, ``owned_gradients``, ...).
 """
 
 from __future__ import annotations
@@ -29,18 +35,30 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import optim, rng, user_errors
-from .bind import Binder, canonical_names
+from .bind import Binder
+from .eval_steps import EvalStep, NoGradStep, PredictStep
+from .eval_steps import _default_predict as _default_predict  # loops.predict's default
+from .gradients import owned_gradients, scalar_gradients
+from .loss_output import SKIP, SKIP_UNSUPPORTED, batch_size, detached, loss_for_grad, split_output
 from .optim.nonfinite import skip_count
+from .purity import (
+    check_unchanged,
+    modified_in_place,
+    norm_layer_buffers,
+    raise_params_modified,
+    unaliased,
+)
 from .state import Progress, TrainState, trainable_names
-from .strategy import Local, Strategy
-from .tree import combine_norms, leaves, map, struct, structure, unflatten
+from .strategy import Local, Strategy, step_generators
+from .tree import combine_norms, leaves, struct, structure, unflatten
+from .window import advance_progress, window_size
 
 __all__ = [
     "EvalStep",
@@ -48,19 +66,18 @@ __all__ = [
     "NoGradStep",
     "PredictStep",
     "SKIP",
+    "SKIP_UNSUPPORTED",
     "StepOutput",
     "TrainStep",
+    "advance_progress",
     "batch_size",
     "check_unchanged",
     "detached",
-    "eval_step",
     "loss_for_grad",
     "modified_in_place",
     "owned_gradients",
     "scalar_gradients",
-    "predict_step",
     "split_output",
-    "train_step",
     "window_size",
 ]
 
@@ -121,288 +138,6 @@ class Gradients:
         return self.grads is not None
 
 
-# ---------------------------------------------------------------------- loss-function outputs
-
-
-class _Skip:
-    """The type of ``SKIP`` (one instance: copies and pickles give ``SKIP`` itself)."""
-
-    def __repr__(self) -> str:
-        return "engine.SKIP"
-
-    def __reduce__(self) -> str:
-        return "SKIP"
-
-
-#: What a loss function returns (alone, or as ``(SKIP, metrics)``) to skip its batch, as
-#: Lightning's ``training_step`` returning None does: no gradient from it, and a window of
-#: only skipped batches makes no update while the counters advance. An explicit value, so
-#: a loss function that forgets its ``return`` is still an error, not a silent skip.
-SKIP = _Skip()
-
-
-def split_output(out: Any, where: str) -> tuple[torch.Tensor | None, dict[str, Any]]:
-    """``(loss, metrics)`` from what a loss function returned (``where`` names it in errors).
-
-    ``SKIP`` (or ``(SKIP, metrics)``) gives a None loss: the batch is skipped
-    (``loss_for_grad`` says where that is not supported)."""
-    if isinstance(out, torch.Tensor):
-        return out, {}
-    if out is SKIP:
-        return None, {}
-    if isinstance(out, tuple) and len(out) == 2 and (out[0] is SKIP or isinstance(out[0], Tensor)):
-        metrics = out[1]
-        if not isinstance(metrics, dict):
-            raise TypeError(f"{where}: the metrics of (loss, metrics) must be a dict")
-        return (None if out[0] is SKIP else out[0]), metrics
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        metrics = {k: v for k, v in out.items() if k != "loss"}
-        return out["loss"], metrics
-    raise TypeError(
-        f"{where} must return a scalar loss tensor, a (loss, metrics) pair or a dict with a "
-        f"'loss' tensor; got {type(out).__name__}"
-    )
-
-
-def _detach(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else x
-
-
-def _detached_value(v: Any) -> Any:
-    if type(v) is Tensor:  # the usual: a plain tensor, often detached already
-        return v.detach() if v.requires_grad else v
-    return v.detach() if isinstance(v, Tensor) else map(_detach, v)
-
-
-def detached(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics with every tensor detached (values may be tensors or pytrees of tensors); a
-    plain tensor that needs no gradient is kept as it is (it has no graph to cut)."""
-    return {k: _detached_value(v) for k, v in metrics.items()}
-
-
-def _storage(t: Tensor) -> int:
-    """Where ``t``'s storage starts (a DTensor's: its local shard's; it has no storage of its
-    own to ask)."""
-    if type(t) is Tensor or type(t) is nn.Parameter:
-        return t.untyped_storage().data_ptr()
-    local = getattr(t, "_local_tensor", None)
-    return (local if local is not None else t).untyped_storage().data_ptr()
-
-
-def _unaliased(metrics: dict[str, Any], state: TrainState) -> dict[str, Any]:
-    """``metrics`` with a copy of every tensor that shares storage with the state's parameters
-    (a metric that is a parameter's value, say a learnable temperature): a donating update
-    is about to overwrite those, and the step reports the values the forward pass saw. The
-    loss function sees the parameters and the batch, never the optimizer state, so only the
-    parameters are looked at (a dict: no tree walk over the optimizer state every step).
-    Unchanged (the same dict) when nothing is shared, the usual case."""
-    values = list(metrics.values())
-    if all(type(v) is Tensor for v in values):  # the usual flat dict: no tree walk
-        tensors = values
-    else:
-        tensors = [t for t in leaves(metrics) if isinstance(t, Tensor)]
-    if not tensors:
-        return metrics
-    owned = {_storage(p) for p in state.params.values()}
-    if not any(_storage(t) in owned for t in tensors):
-        return metrics
-
-    def copy_if_shared(x: Any) -> Any:
-        if isinstance(x, Tensor) and _storage(x) in owned:
-            return x.clone()
-        return x
-
-    return map(copy_if_shared, metrics)
-
-
-def batch_size(batch: Any) -> int:
-    """The size of the batch's first dimension (its first tensor's), or 1 if it has none."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        first = batch[0]
-        return first.shape[0] if first.dim() else 1
-    for leaf in leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.shape[0] if leaf.dim() else 1
-    return 1
-
-
-#: Why a skipped batch (a loss function returning None) is refused where it is.
-SKIP_UNSUPPORTED = (
-    "the loss function skipped its batch (engine.SKIP; a Lightning-style training_step "
-    "returning None); only the single-process eager train step can skip (grad='autograd', "
-    "no compile, no DDP/FSDP, no ensemble, no per-sample gradients, not an evaluation): "
-    "return a loss, or filter the batch out of the data"
-)
-
-
-def loss_for_grad(loss: torch.Tensor | None, scale: float, divisor: int) -> torch.Tensor:
-    """The tensor to differentiate: ``loss / divisor * scale``, after checking it is a scalar
-    that depends on trainable parameters."""
-    if loss is None:
-        raise ValueError(SKIP_UNSUPPORTED)
-    if loss.dim() != 0 and loss.numel() != 1:
-        raise ValueError(f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
-    if not loss.requires_grad:
-        raise RuntimeError(
-            "the loss does not depend on any trainable parameter (it has no grad_fn); "
-            "did the loss function detach it or run under torch.no_grad()?"
-        )
-    if divisor != 1:
-        loss = loss / divisor
-    if scale != 1.0:
-        loss = loss * scale
-    return loss
-
-
-def window_size(accumulate: Callable[[Progress], int], progress: Progress) -> int:
-    """The micro-batches of the accumulation window a schedule gives at ``progress``."""
-    k = accumulate(progress)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"the accumulation schedule returned {k!r}; it must be an int >= 1")
-    return k
-
-
-# ---------------------------------------------------------------------- gradients the step owns
-
-
-def _dense(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory exactly once (non-overlapping and dense)."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
-
-
-def scalar_gradients(loss: Tensor, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
-    """``torch.autograd.grad(loss, inputs, allow_unused=True)`` for a scalar loss.
-
-    Calls torch's autograd engine entry point directly when this torch has it and ``loss`` is
-    a plain tensor: the public wrapper's argument handling costs about 25 µs, a tenth of a
-    small model's step. Same engine call, same results (the parity tests compare bitwise);
-    the public API otherwise.
-    """
-    if _RUN_BACKWARD is None or type(loss) is not Tensor:
-        return torch.autograd.grad(loss, inputs, allow_unused=True)
-    one = torch.ones_like(loss, memory_format=torch.preserve_format)
-    return _RUN_BACKWARD((loss,), (one,), False, False, inputs, True, accumulate_grad=False)
-
-
-def owned_gradients(grads: dict[str, Tensor], *, contiguous: bool = False) -> dict[str, Tensor]:
-    """``grads`` with every tensor safe to overwrite in place on its own.
-
-    ``torch.autograd.grad`` and ``torch.func.grad`` do not promise separate tensors: ``a + b``
-    hands both inputs the same tensor, a ``view`` hands out a view of another gradient's
-    storage, and ``w.sum()`` an expanded tensor with stride 0. The optimizer, the loss
-    scaler and donation write into the step's gradients in place, which would then mix
-    parameters or fail. This copies every gradient that shares its storage with an earlier
-    one or is not non-overlapping and dense (normally none: the check is a storage lookup
-    per tensor). ``contiguous=True`` also makes every gradient row-major (the ensemble's
-    per-member arithmetic wants that); the copies it makes count as owned.
-    """
-    owners = set()
-    for g in grads.values():
-        # The usual case, checked cheaply: each gradient is its own tensor or a view of a
-        # tensor no other gradient owns (a Linear weight's gradient is a transposed view),
-        # contiguous or a plain 2-d transpose.
-        owner = id(g) if g._base is None else id(g._base)
-        if owner in owners or id(g) in owners:
-            break
-        if not g.is_contiguous() and (contiguous or not (g.dim() == 2 and g.t().is_contiguous())):
-            break
-        owners.add(owner)
-        owners.add(id(g))
-    else:
-        return grads
-    seen: set[int] = set()
-    out: dict[str, Tensor] | None = None
-    for name, g in grads.items():
-        if g.is_contiguous():
-            storage = g.untyped_storage().data_ptr()
-            if storage not in seen:
-                seen.add(storage)
-                continue
-            fresh = g.clone()
-        elif contiguous:
-            fresh = g.contiguous()
-        else:
-            storage = g.untyped_storage().data_ptr()
-            if storage not in seen and _dense(g):
-                seen.add(storage)
-                continue
-            fresh = g.clone(memory_format=torch.contiguous_format)
-        if out is None:
-            out = dict(grads)
-        out[name] = fresh
-    return grads if out is None else out
-
-
-# ---------------------------------------------------------------------- in-place modifications
-
-
-def modified_in_place(tensors: Mapping[str, Tensor], versions: list[int]) -> list[str]:
-    """The names of ``tensors`` whose version counter moved since ``versions`` was taken
-    (``[t._version for t in tensors.values()]``): they were written in place."""
-    if [t._version for t in tensors.values()] == versions:
-        return []
-    return [n for (n, t), v in zip(tensors.items(), versions) if t._version != v]
-
-
-def _raise_params_modified(names: list[str]) -> None:
-    raise RuntimeError(
-        f"the forward pass modified parameters {names} in place (e.g. weight clipping with "
-        "clamp_ under no_grad); that rewrote the input state's parameters, which breaks the "
-        "step's purity. Apply such constraints outside the forward pass: to the new state's "
-        "params after the step (state.replace(params=...)) or in an optimizer transform"
-    )
-
-
-def check_unchanged(
-    params: Mapping[str, Tensor],
-    param_versions: list[int],
-    buffers: Mapping[str, Tensor],
-    buffer_versions: list[int],
-    where: str = "eval mode",
-) -> None:
-    """Raise ``RuntimeError`` if a forward pass that binds the state's tensors uncopied
-    (eval, predict, per-sample) wrote parameters or buffers in place. The version counters
-    tell after the fact: the input state has changed by then."""
-    changed = modified_in_place(params, param_versions)
-    if changed:
-        _raise_params_modified(changed)
-    changed = modified_in_place(buffers, buffer_versions)
-    if changed:
-        raise RuntimeError(
-            f"the model modified buffers {changed} in place in {where}, which changed the "
-            f"training state; make the forward pass leave buffers alone in {where}"
-        )
-
-
-def _norm_layer_buffers(model: nn.Module) -> frozenset[str]:
-    """State names of the buffers of BatchNorm/InstanceNorm layers (their kernels update the
-    running statistics in place without moving the version counter)."""
-    canonical = canonical_names(model)
-    return frozenset(
-        canonical[f"{prefix}.{name}" if prefix else name]
-        for prefix, module in model.named_modules(remove_duplicate=False)
-        if isinstance(module, nn.modules.batchnorm._NormBase)
-        for name, b in module._buffers.items()
-        if b is not None
-    )
-
-
-def _generators_for(strategy: Strategy, state: TrainState) -> tuple[torch.Generator, ...]:
-    """The global generators a step scopes, computed once: the strategy's device's, or
-    without one (``Local``) those of the devices the first state's parameters live on."""
-    return rng.default_generators(strategy.rng_devices(state.params.values()))
-
-
 def _kept_if_nonfinite(
     loss: Tensor, new: dict[str, Tensor], old: dict[str, Tensor]
 ) -> dict[str, Tensor]:
@@ -412,24 +147,6 @@ def _kept_if_nonfinite(
     return {
         n: b if b is old.get(n) else torch.where(ok.to(b.device), b, old[n]) for n, b in new.items()
     }
-
-
-def advance_progress(progress: Progress, samples: int, stepped: bool) -> Progress:
-    """The counters after one micro-batch of ``samples`` (closing its window if ``stepped``)."""
-    if stepped:
-        return progress.replace(
-            step=progress.step + 1,
-            batch_in_epoch=progress.batch_in_epoch + 1,
-            total_batches=progress.total_batches + 1,
-            samples=progress.samples + samples,
-            micro_step=0,
-        )
-    return progress.replace(
-        batch_in_epoch=progress.batch_in_epoch + 1,
-        total_batches=progress.total_batches + 1,
-        samples=progress.samples + samples,
-        micro_step=progress.micro_step + 1,
-    )
 
 
 # ---------------------------------------------------------------------- the train step
@@ -535,7 +252,7 @@ class TrainStep:
         # not learnt yet), and a copy of each buffer bound uncopied, to restore it.
         self._mutated: frozenset[str] | None = None
         self._spares: dict[str, tuple[weakref.ref, int, Tensor]] = {}
-        self._norm_buffers = _norm_layer_buffers(model)
+        self._norm_buffers = norm_layer_buffers(model)
 
     def __repr__(self) -> str:
         return (
@@ -652,7 +369,7 @@ class TrainStep:
         buffers = state.buffers
         if grads.finite and values:
             if self.donate and output.metrics:
-                safe = _unaliased(output.metrics, state)
+                safe = unaliased(output.metrics, state)
                 if safe is not output.metrics:  # the usual: nothing shared, no new output
                     output = output.replace(metrics=safe)
             skips = skip_count()
@@ -713,7 +430,7 @@ class TrainStep:
 
     def _first_call(self, state: TrainState) -> None:
         self._check(state)
-        self._rng_generators = _generators_for(self.strategy, state)
+        self._rng_generators = step_generators(self.strategy, state.params.values())
         self._checked = True
 
     def _trainable(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -784,7 +501,7 @@ class TrainStep:
         compute = self._grad_autograd if self.grad == "autograd" else self._grad_func
         grads, loss, metrics, new_buffers = compute(params, bound, batch, key, loss_scale, divisor)
         if [p._version for p in params.values()] != param_versions:
-            _raise_params_modified(modified_in_place(params, param_versions))
+            raise_params_modified(modified_in_place(params, param_versions))
         if kept:
             self._check_kept(kept, kept_versions)
         elif self._mutated is None and not self._donate_backward:
@@ -912,185 +629,3 @@ class TrainStep:
                 )
             grads = [torch.zeros_like(wrt[n]) if g is None else g for n, g in zip(names, grads)]
         return dict(zip(names, grads))
-
-
-def train_step(
-    model: nn.Module,
-    loss_fn: LossFn,
-    optimizer: optim.GradientTransformation,
-    *,
-    strategy: Strategy | None = None,
-    accumulate: int | Callable[[Progress], int] = 1,
-    donate: bool = False,
-    grad: str = "autograd",
-    allow_unused: bool = False,
-    grad_norm: bool = True,
-    compile: Any = False,
-) -> TrainStep:
-    """Build a pure train step ``step(state, batch) -> (new_state, StepOutput)``.
-
-    ``accumulate``: micro-batches per optimizer step (an int, or a function of ``Progress``
-    for a schedule); the loss is divided by it before the backward pass, as a hand-written
-    accumulation loop does. ``donate``: the step may reuse the input state's storage (the
-    input state is then consumed and must not be used again); saves memory and time.
-    ``grad``: ``"autograd"`` (fast: ``torch.autograd.grad``) or ``"func"``
-    (``torch.func.grad``, composable with ``vmap``). ``allow_unused``: treat the gradient of
-    parameters the loss does not use as zero instead of raising (both ``grad`` modes).
-    ``grad_norm``: report the global gradient norm in the output. ``compile``: True, a
-    ``engine.compile.CompileOptions`` or a dict of its fields compiles the whole step
-    (``engine.compile``); False (the default) runs it eagerly.
-    """
-    from .compile import CompiledTrainStep, compile_options
-
-    options = compile_options(compile)
-    settings = dict(
-        accumulate=accumulate,
-        donate=donate,
-        grad=grad,
-        allow_unused=allow_unused,
-        grad_norm=grad_norm,
-    )
-    if strategy is not None:
-        built = strategy.build_train_step(model, loss_fn, optimizer, **settings)
-        if built is not NotImplemented:
-            return built if options is None else CompiledTrainStep.of(built, options)
-    if options is None:
-        return TrainStep(model, loss_fn, optimizer, strategy=strategy, **settings)
-    return CompiledTrainStep(
-        model, loss_fn, optimizer, strategy=strategy, options=options, **settings
-    )
-
-
-# ---------------------------------------------------------------------- eval and predict
-
-
-class NoGradStep:
-    """Shared machinery of the eval and predict steps: bind, eval mode, no grad, scoped RNG,
-    and the check that the forward pass left the state's parameters and buffers alone."""
-
-    purpose = rng.Purpose.EVAL
-    #: The step's name in the signature check and in the note added to an exception ``fn``
-    #: raises.
-    _stage = "eval_step"
-
-    def __init__(
-        self,
-        model: nn.Module,
-        fn: Callable[[nn.Module, Any], Any],
-        strategy: Strategy | None = None,
-    ) -> None:
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        user_errors.check_signature(fn, f"{self._stage.split()[0]} fn")
-        self.model = model
-        self.fn = fn
-        self.strategy = strategy if strategy is not None else Local()
-        self.binder = Binder(model)
-        self._rng_generators = rng.default_generators()  # until the first call: see _run
-        self._checked = False
-
-    def _check(self, state: TrainState) -> None:
-        """Validate the first state this step sees."""
-        if not isinstance(state, TrainState):
-            raise TypeError(f"expected a TrainState, got {type(state).__name__}")
-        self.binder.check(state.params, state.buffers)
-
-    def _forward(self, params: dict, buffers: dict, batch: Any) -> Any:
-        """``fn`` on the template bound to ``params`` and ``buffers`` in eval mode."""
-        with self.binder.bind(params, buffers, False) as apply, self.strategy.precision.autocast():
-            try:
-                return self.fn(apply, batch)
-            except Exception as exc:
-                user_errors.annotate(exc, self.fn, self._stage, batch)
-                raise
-
-    def _run(self, state: TrainState, batch: Any, index: int) -> Any:
-        if not self._checked:
-            self._check(state)
-            self._rng_generators = _generators_for(self.strategy, state)
-            self._checked = True
-        strategy = self.strategy
-        batch = strategy.precision.convert_input(strategy.place(batch))
-        key = rng.fold_in(state.rng, self.purpose, state.progress.step, index, strategy.rank)
-        params, buffers = state.params, state.buffers
-        param_versions = [p._version for p in params.values()]
-        buffer_versions = [b._version for b in buffers.values()]
-        with rng.scope(key, generators=self._rng_generators), torch.no_grad():
-            out = self._forward(params, buffers, batch)
-        check_unchanged(params, param_versions, buffers, buffer_versions)
-        return out
-
-
-class EvalStep(NoGradStep):
-    """``step(state, batch, index=0) -> dict[str, Tensor]``: metrics, ``"loss"`` included."""
-
-    purpose = rng.Purpose.EVAL
-
-    def __call__(self, state: TrainState, batch: Any, *, index: int = 0) -> dict[str, Any]:
-        out = self._run(state, batch, index)
-        if isinstance(out, dict) and "loss" not in out:
-            return detached(out)
-        loss, metrics = split_output(out, "eval fn")
-        if loss is None:
-            raise ValueError(SKIP_UNSUPPORTED)
-        return {"loss": loss.detach(), **detached(metrics)}
-
-
-class PredictStep(NoGradStep):
-    """``step(state, batch, index=0) -> whatever fn returns`` (tensors detached)."""
-
-    purpose = rng.Purpose.PREDICT
-    _stage = "predict_step"
-
-    def __call__(self, state: TrainState, batch: Any, *, index: int = 0) -> Any:
-        return map(_detach, self._run(state, batch, index))
-
-
-def _default_predict(apply: nn.Module, batch: Any) -> Any:
-    return apply(batch)
-
-
-def eval_step(
-    model: nn.Module,
-    fn: Callable[[nn.Module, Any], Any],
-    *,
-    strategy: Strategy | None = None,
-    compile: Any = False,
-) -> EvalStep:
-    """Build ``step(state, batch, index=0) -> metrics``, run in eval mode without gradients.
-
-    ``fn(apply, batch)`` returns a loss, ``(loss, metrics)``, or a dict of metrics; the step
-    returns a dict (the loss under ``"loss"``). ``index`` (the batch's position in the
-    evaluation) enters the key of any random draw. ``compile``: as for ``train_step``.
-    """
-    from .compile import CompiledEvalStep, compile_options, compiled
-
-    options = compile_options(compile)
-    if strategy is not None:
-        built = strategy.build_eval_step(model, fn)
-        if built is not NotImplemented:
-            return built if options is None else compiled(built, options)
-    if options is not None:
-        return CompiledEvalStep(model, fn, strategy, options=options)
-    return EvalStep(model, fn, strategy)
-
-
-def predict_step(
-    model: nn.Module,
-    fn: Callable[[nn.Module, Any], Any] = _default_predict,
-    *,
-    strategy: Strategy | None = None,
-    compile: Any = False,
-) -> PredictStep:
-    """Build ``step(state, batch, index=0) -> prediction`` (``fn`` defaults to ``apply(batch)``;
-    ``compile`` as for ``train_step``)."""
-    from .compile import CompiledPredictStep, compile_options, compiled
-
-    options = compile_options(compile)
-    if strategy is not None:
-        built = strategy.build_predict_step(model, fn)
-        if built is not NotImplemented:
-            return built if options is None else compiled(built, options)
-    if options is not None:
-        return CompiledPredictStep(model, fn, strategy, options=options)
-    return PredictStep(model, fn, strategy)

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from . import rng
 from .loss_scale import DynamicLossScale
 from .tree import to_device
 
-__all__ = ["Local", "Precision", "Strategy"]
+__all__ = ["Local", "Precision", "Strategy", "step_generators"]
 
 ReduceOp = str  # "mean" | "sum" | "max" | "min"
 
@@ -181,3 +182,12 @@ class Local(Strategy):
     state's parameters are on (``rng_devices``, asked on a step's first call), so a state
     moved to CUDA by hand draws its dropout masks from a scoped CUDA generator too.
     """
+
+
+def step_generators(
+    strategy: Strategy, params: Iterable[torch.Tensor]
+) -> tuple[torch.Generator, ...]:
+    """The global generators a step scopes, computed once on its first call: those of the
+    strategy's device, or without one (``Local``) of the devices the first state's
+    parameters ``params`` live on."""
+    return rng.default_generators(strategy.rng_devices(params))

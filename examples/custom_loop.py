@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> float:
     callbacks = [LambdaCallback(on_train_epoch_end=report)]
     logger = CSVLogger(args.root, name="gan")
     driver = Driver(fn="fit", callbacks=callbacks, loggers=[logger])
-    d_state = init_states(callbacks, d_state)  # the critic's state carries the loop's
+    d_state = init_states(callbacks, loop_state.ready(d_state))  # it carries the loop's
 
     for epoch in range(args.epochs):
         d_state = driver.fire("on_train_epoch_start", d_state)
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> float:
         logged, _, _ = aggregate.epoch_values(totals, specs)
         logged["mode_coverage"] = torch.tensor(score)
         driver.log_metrics({**logged, "epoch": epoch}, d_state.progress.step)
-        loop = loop_state.get(d_state)  # what callbacks see as ctx.metrics
-        d_state = loop_state.put(d_state, loop.replace(callback_metrics=logged))
+        loop = d_state.loop.replace(callback_metrics=logged)  # what callbacks see: ctx.metrics
+        d_state = d_state.replace(loop=loop)
         d_state = driver.fire("on_train_epoch_end", d_state)
         d_state = d_state.replace(progress=d_state.progress.replace(epoch=epoch + 1))
         checkpoint.save((g_state, d_state), os.path.join(args.root, "gan", "last.ckpt"))

@@ -61,8 +61,8 @@ def member(state: TrainState, i: int) -> TrainState:
     """Member ``i`` of an ensemble state as an ordinary ``TrainState`` (tensors copied).
 
     Its tensors are copies, not views of the stacked ones, so saving it writes one member's
-    worth of data; its key is the member's key; ``callbacks`` and the rest of ``extra`` are
-    the ensemble's (shared).
+    worth of data; its key is the member's key; ``callbacks``, ``loop`` and the rest of
+    ``extra`` are the ensemble's (shared).
     """
     info = _info(state)
     k = len(info.keys)
@@ -119,7 +119,7 @@ def stack(states: Sequence[TrainState], *, key: int | None = None) -> TrainState
 
     Every tensor of ``STACKED_FIELDS`` is stacked along a new axis 0; the members must have
     the same structure and shapes and equal counters (``progress``, optimizer counts).
-    ``callbacks`` and ``extra`` are taken from the first member. ``key`` is the ensemble's
+    ``callbacks``, ``loop`` and ``extra`` are taken from the first member. ``key`` is the ensemble's
     own key (default: derived from the first member's key and K); the members' keys are
     kept, so ``member(stack(states), i)`` equals ``states[i]``.
     """

@@ -234,7 +234,9 @@ class Driver:
 
     def context(self, state: TrainState, **fields: Any) -> Context:
         """The read-only view of the loop that callbacks get (``fields`` fill the rest)."""
-        loop = loop_state.get(state)
+        if state.loop is None:  # a custom loop's first state has none yet
+            state = loop_state.ready(state)
+        loop = state.loop
         extra = {**self.extra, "progress_bar_metrics": self._bar_view}
         extra.update(fields.pop("extra", {}))
         return Context(
@@ -267,6 +269,7 @@ class Driver:
         if not handlers and not watchers:
             return state
         ctx = self.context(state, **fields)
+        state = ctx.state  # with its loop state filled in (a custom loop's first state)
         prof = self.profiler
         for observer in watchers:
             if prof is None:
@@ -349,12 +352,14 @@ class Driver:
             state = state.replace(opt_state=set_hyperparams(state.opt_state, requests.hyperparams))
         if requests.weights:
             state = _put_weights(state, requests.weights)
+        if (requests.kept or requests.stop or log) and state.loop is None:
+            state = loop_state.ready(state)
         if requests.kept:
-            loop = loop_state.get(state)
+            loop = state.loop
             acc, specs = aggregate.put_kept(loop.train_epoch, loop.train_specs, requests.kept)
-            state = loop_state.put(state, loop.replace(train_epoch=acc, train_specs=specs))
+            state = state.replace(loop=loop.replace(train_epoch=acc, train_specs=specs))
         if requests.stop or log:
-            loop = loop_state.get(state)
+            loop = state.loop
             changes: dict[str, Any] = {}
             if requests.stop and not loop.should_stop:
                 changes["should_stop"] = True
@@ -366,7 +371,7 @@ class Driver:
                 else:
                     self.log_metrics(values, self.logger_step)
             if changes:
-                state = loop_state.put(state, loop.replace(**changes))
+                state = state.replace(loop=loop.replace(**changes))
         if requests.save or requests.save_weights or requests.remove or requests.link:
             self.pending.append(
                 Requests(

@@ -80,6 +80,8 @@ def run_evaluation(
         )
     if schedule.evaluation_skipped(max_batches):
         return state, []
+    if state.loop is None:  # a state straight from engine.init, or a custom loop's
+        state = loop_state.ready(state)
     prefix = _event_prefix(stage)
     sanity = stage == Stage.SANITY_CHECK
     epoch = state.progress.epoch if epoch is None else epoch
@@ -94,7 +96,7 @@ def run_evaluation(
     try:
         state = driver.fire(f"on_{prefix}_start", state, num_batches=list(max_batches))
         state = driver.fire(f"on_{prefix}_epoch_start", state, num_batches=list(max_batches))
-        counters = dict(loop_state.get(state).eval_steps)
+        counters = dict(state.loop.eval_steps)
         logged: dict[str, Any] = {}
         callback_values: dict[str, Any] = {}
         for i, (source, limit) in enumerate(zip(sources, max_batches)):
@@ -146,14 +148,11 @@ def run_evaluation(
                 driver.progress_bar_metrics.update(bar)
             per_loader.append({k: float(v) for k, v in to_log.items()})
         if not sanity:
-            loop = loop_state.get(state)
-            state = loop_state.put(
-                state,
-                loop.replace(
-                    callback_metrics={**loop.callback_metrics, **callback_values},
-                    eval_steps=counters,
-                ),
+            loop = state.loop.replace(
+                callback_metrics={**state.loop.callback_metrics, **callback_values},
+                eval_steps=counters,
             )
+            state = state.replace(loop=loop)
         with driver.collecting() as at_epoch_end:
             state = driver.fire(f"on_{prefix}_epoch_end", state, num_batches=list(max_batches))
         if not sanity:
@@ -176,23 +175,22 @@ def _keep(state: TrainState, resolved: dict[str, Any]) -> tuple[TrainState, dict
     at once (the batch-end and epoch-end events see them, and they outlive the evaluation);
     the rest of ``resolved``, for this evaluation's accumulators."""
     kept = {name: entry for name, entry in resolved.items() if entry[0].kept}
-    loop = loop_state.get(state)
-    loop = loop.replace(
-        train_epoch=aggregate.accumulate(loop.train_epoch, kept, 0),
-        train_specs={**loop.train_specs, **aggregate.specs_of(kept)},
+    loop = state.loop.replace(
+        train_epoch=aggregate.accumulate(state.loop.train_epoch, kept, 0),
+        train_specs={**state.loop.train_specs, **aggregate.specs_of(kept)},
     )
     rest = {name: entry for name, entry in resolved.items() if not entry[0].kept}
-    return loop_state.put(state, loop), rest
+    return state.replace(loop=loop), rest
 
 
 def _drop_ended(state: TrainState, stage: str) -> TrainState:
     """The evaluation is over (after ``on_*_end``): the kept accumulators that end with its
     epoch dropped (``aggregate.drop_ended``: Lightning resets the metrics its steps logged)."""
-    loop = loop_state.get(state)
+    loop = state.loop
     acc = aggregate.drop_ended(loop.train_epoch, loop.train_specs, stage)
     if acc is loop.train_epoch:  # the usual: nothing ends with it
         return state
-    return loop_state.put(state, loop.replace(train_epoch=acc))
+    return state.replace(loop=loop.replace(train_epoch=acc))
 
 
 def evaluate(

@@ -242,13 +242,20 @@ class Context:
         return dataclasses.replace(self, **changes)
 
 
-def handles(callback: Any, event: str) -> bool:
-    """Whether ``callback`` handles ``event``: its class overrides the base class's handler
-    (the base handlers do nothing, so the loops skip callbacks that keep them)."""
-    from .callbacks.base import Callback
+#: Set (True) in the namespace of a class whose event handlers all do nothing (the base
+#: ``loops.callbacks.Callback``): a callback that keeps its handler handles no such event.
+DEFAULT_HANDLERS = "_handlers_do_nothing"
 
-    impl = getattr(type(callback), event, None)
-    return impl is not None and impl is not getattr(Callback, event, None)
+
+def handles(callback: Any, event: str) -> bool:
+    """Whether ``callback`` handles ``event``: the class nearest it in its type's MRO that
+    defines the handler is not one whose handlers do nothing (``DEFAULT_HANDLERS``: the base
+    class's, so the loops skip callbacks that keep them)."""
+    for klass in type(callback).__mro__:
+        own = vars(klass)
+        if event in own:
+            return own[event] is not None and not own.get(DEFAULT_HANDLERS, False)
+    return False
 
 
 def handlers_for(event: str, callbacks: Sequence[Any]) -> list[Any]:

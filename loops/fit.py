@@ -9,16 +9,13 @@ from ``Progress``, the epoch's metric accumulators, the stop request, the values
 see and the data reload epochs from the loop state. On Ctrl-C the exception handlers run,
 the status becomes "interrupted" and the latest state is returned.
 
-Data may be given ready (``train``, ``val``) or as functions that build it
-(``reload_train``, ``reload_val``), which the loop calls when it first needs the data and
-again as ``reload_dataloaders_every_n_epochs`` says (Lightning's lazy loading: validation
-data is built for the sanity check, before the training data).
+One batch is a short sequence of named phases (``FitLoop._batch``); the data and its
+reloads are ``loops.fit_data``, the gradient checks ``loops.gradient_checks``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,10 +25,11 @@ from purestep.engine.tree import map as tree_map
 
 from . import aggregate, loop_state, schedule
 from .callbacks.base import init_states
-from .data import length
 from .driver import Driver, prepare
 from .evaluate import run_evaluation
 from .events import BatchPosition, Stage
+from .fit_data import FitData, numbered
+from .gradient_checks import GradientChecks, NonFiniteLossError, grad_norm_type
 from .interrupts import InterruptGuard
 from .profiling import ProfiledTrainStep, section
 from .schedulers import LRSchedulers
@@ -39,50 +37,10 @@ from .schedulers import LRSchedulers
 __all__ = ["FitLoop", "NonFiniteLossError", "fit", "grad_norm_type"]
 
 
-class NonFiniteLossError(ValueError):
-    """``terminate_on_nan``: a loss or gradient was NaN or infinite (raised before the
-    optimizer update it would have fed, so the state and the last checkpoint are whole)."""
-
-
-def grad_norm_type(value: Any) -> float | None:
-    """Lightning's ``track_grad_norm``: -1 (off) -> None, else the p of the p-norm (a
-    positive number or ``"inf"``) as a float (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value.lower() != "inf":
-            raise ValueError(f"track_grad_norm must be -1, a p > 0 or 'inf', got {value!r}")
-        return math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"track_grad_norm must be -1, a p > 0 or 'inf', got {value!r}")
-    if value == -1:
-        return None
-    if not value > 0:
-        raise ValueError(f"track_grad_norm must be -1, a p > 0 or 'inf', got {value!r}")
-    return float(value)
-
-
 _BATCH_EVENTS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
 
-def _numbered(batches: Iterator[Any], start: int, num: int | float) -> Iterator[Any]:
-    """``(batch_idx, batch, is_last)`` from ``start``; an unsized epoch (``num = inf``)
-    looks one batch ahead to know its last batch, as Lightning's prefetcher does."""
-    if num != math.inf:
-        for batch_idx, batch in zip(range(start, int(num)), batches):
-            yield batch_idx, batch, batch_idx + 1 == num
-        return
-    it = iter(batches)
-    sentinel = object()
-    current = next(it, sentinel)
-    batch_idx = start
-    while current is not sentinel:
-        following = next(it, sentinel)
-        yield batch_idx, current, following is sentinel
-        current, batch_idx = following, batch_idx + 1
-
-
-class FitLoop:
+class FitLoop(FitData):
     """One ``fit`` run; ``run(state)`` returns the final state. ``state`` is always the latest.
 
     ``step``: an ``engine.train_step`` (the loop uses its ``backward`` / ``apply`` halves so
@@ -143,19 +101,18 @@ class FitLoop:
                 f"one); {type(step).__name__} has none: pass donate=False"
             )
         self.step = step
-        self.train = train
-        self.val = list(val) if val is not None else None
         self.eval_step = eval_step
         self.driver = driver
         self.config = config
-        self.reload_train = reload_train
-        self.reload_val = reload_val
         self.hparams = hparams
         self.donate = donate
         self.schedulers = LRSchedulers(schedulers, multi=self._multi)
-        self.grad_norm_p = grad_norm_type(track_grad_norm)
-        self.terminate_on_nan = bool(terminate_on_nan)
-        self._grad_norm_values: dict[str, torch.Tensor] = {}
+        self.checks = GradientChecks(
+            driver,
+            terminate_on_nan=bool(terminate_on_nan),
+            grad_norm_p=grad_norm_type(track_grad_norm),
+            where=self._where,
+        )
         self._batch_idx = 0
         # The step the batches run (set by run): ``step``, or ``step.donating(backward=False)``.
         self._stepper = step
@@ -164,83 +121,12 @@ class FitLoop:
         # observers are fixed for a run); the batch skips the calls nobody hears.
         self._heard = (True, True, True)
         self.state: TrainState | None = None
-        self.num_train: int | float | None = None
-        self.val_max: list[int | float] = []
-        self.val_check_batch: int | float = math.inf
-        has_val_data = bool(self.val) or (self.val is None and reload_val is not None)
-        self.enable_val = eval_step is not None and schedule.validation_enabled(
-            config, has_val_data
-        )
         self._told_min = False
-        self._warned_few = False
         self._factor = 1  # this epoch's accumulation factor (set by _epoch)
-        if not self.enable_val:
-            driver.extra["num_val_batches"] = 0
-        if self.train is not None:
-            self._measure_train()
-        if self.val is not None:
-            self._measure_val()
-
-    # ------------------------------------------------------------------ data
-
-    def _measure_train(self) -> None:
-        c = self.config
-        self.num_train = schedule.train_batches(c, length(self.train))
-        # weight averaging recomputes BatchNorm statistics over the training data at the end
-        self.driver.extra["train_data"] = (self.train, self.num_train)
-        if self.enable_val:
-            self.val_check_batch = schedule.val_check_batch(c, self.num_train)
-        message = schedule.few_batches_warning(c, self.num_train, bool(self.driver.loggers))
-        if message and not self._warned_few:
-            self.driver.say(message)
-            self._warned_few = True
-
-    def _measure_val(self) -> None:
-        lengths = [length(v) for v in self.val]
-        self.val_max = list(schedule.eval_batches(self.config, "val", lengths))
-        # checkpointing decides where to save from whether there is validation data
-        self.driver.extra["num_val_batches"] = sum(self.val_max) if self.enable_val else 0
+        self._init_data(train, val, reload_train, reload_val)
 
     def _record(self, **changes: Any) -> None:
-        loop = loop_state.get(self.state)
-        self.state = loop_state.put(self.state, loop.replace(**changes))
-
-    def _ensure_train(self, epoch: int) -> None:
-        """Build the training data if missing, or rebuild it when the reload rule says so.
-
-        Data given to the loop counts as loaded at the first epoch it serves. Data built only
-        because it is missing (a resumed run) does not move the recorded reload epoch, so a
-        resumed run reloads when the uninterrupted one would.
-        """
-        last = loop_state.get(self.state).last_train_reload
-        if self.train is None:
-            self.train = self.reload_train()
-            self._measure_train()
-            if last is None:
-                self._record(last_train_reload=epoch)
-        elif last is None:
-            self._record(last_train_reload=epoch)
-        elif self.reload_train is not None and schedule.should_reload(self.config, epoch, last):
-            self.train = self.reload_train()
-            self._measure_train()
-            self._record(last_train_reload=epoch)
-
-    def _ensure_val(self, epoch: int, sanity: bool = False) -> None:
-        """The validation counterpart of ``_ensure_train``, with Lightning's rule for what a
-        load counts as: data loaded for the sanity check (or given to the loop) counts as
-        ``epoch``'s load only if ``epoch`` validates; otherwise the first validation loads
-        the data again when a reload function exists."""
-        c = self.config
-        last = loop_state.get(self.state).last_val_reload
-        missing = self.val is None
-        due = not sanity and self.reload_val is not None and schedule.should_reload(c, epoch, last)
-        if not (missing or due):
-            return
-        self.val = list(self.reload_val())
-        self._measure_val()
-        first = last is None and (not sanity or schedule.sanity_check_sets_val_reload(c, epoch))
-        if due or first:
-            self._record(last_val_reload=epoch)
+        self.state = self.state.replace(loop=self.state.loop.replace(**changes))
 
     def _check_accumulation(self, epoch: int) -> None:
         want = schedule.accumulation_factor(self.config, epoch)
@@ -264,6 +150,7 @@ class FitLoop:
         """
         drv = self.driver
         drv.set_default_extra(model=getattr(self.step, "model", None), num_loggers=len(drv.loggers))
+        state = loop_state.ready(state)  # the loop state, in place once for the whole run
         if self.donate and not owned:
             state = state.replace(params=_copied(state.params), opt_state=_copied(state.opt_state))
         self._stepper = self.step.donating(backward=False) if self.donate else self.step
@@ -288,7 +175,7 @@ class FitLoop:
         epoch = self.state.progress.epoch
         if (
             self.val is not None
-            and loop_state.get(self.state).last_val_reload is None
+            and self.state.loop.last_val_reload is None
             and schedule.sanity_check_sets_val_reload(self.config, epoch)
         ):
             self._record(last_val_reload=epoch)  # data given to the loop: loaded "now"
@@ -329,7 +216,7 @@ class FitLoop:
             num_training_batches=self.num_train,
             global_step=p.step,
             epochs_done=p.epoch,
-            should_stop=loop_state.get(self.state).should_stop,
+            should_stop=self.state.loop.should_stop,
         )
 
     def _run(self) -> None:
@@ -377,7 +264,7 @@ class FitLoop:
         (Lightning's rule), and must still end exactly like the uninterrupted run."""
         drv = self.driver
         before = self.state.callbacks
-        kept_before = loop_state.get(self.state)  # and the steps' kept accumulators
+        kept_before = self.state.loop  # and the steps' kept accumulators
         drv.stage = Stage.SANITY_CHECK
         self._fire("on_sanity_check_start")
         self._ensure_val(self.state.progress.epoch, sanity=True)
@@ -414,7 +301,7 @@ class FitLoop:
         batches = self.train.iterate(epoch, start)
         if drv.profiler is not None:
             batches = drv.profiler.profile_iterable(batches, "[FitLoop].train_dataloader_next")
-        batches = _numbered(batches, start, num)
+        batches = numbered(batches, start, num)
         batch_idx, is_last = start - 1, False
         while True:
             _refuse_end_epoch(drv, "on_train_epoch_start")
@@ -426,7 +313,7 @@ class FitLoop:
                 is_last_batch=is_last,
                 global_step=p.step,
                 epochs_done=p.epoch,
-                should_stop=loop_state.get(self.state).should_stop,
+                should_stop=self.state.loop.should_stop,
             )
             if verdict.reason and not self._told_min:
                 drv.say(verdict.reason)
@@ -450,77 +337,100 @@ class FitLoop:
         """Process one training batch: events, step, logging, validation when due. Returns
         True, having done nothing more, when ``on_train_batch_start`` asked to end the
         epoch (``Requests(end_epoch=True)``; every process agrees on it)."""
-        drv, c = self.driver, self.config
-        num = self.num_train
-        heard_start, heard_before, heard_end = self._heard
         self._batch_idx = batch_idx
         samples_before = self.state.progress.samples
+        if self._start_batch(batch, batch_idx, is_last):
+            return True
+        out = self._optimize(batch, batch_idx, is_last)
+        to_log = self._record_step_values(out, samples_before)
+        self._end_batch(batch, batch_idx, is_last, out)
+        self._log_step(to_log, epoch, out)
+        self._validate_if_due(epoch, batch_idx, is_last)
+        if self.schedulers:
+            metrics = self.state.loop.callback_metrics
+            self.state, requests = self.schedulers.batch_end(self.state, metrics, out.stepped)
+            self._request(requests)
+        self.driver.logger_step = self.state.progress.step
+        return False
+
+    # ------------------------------------------------------------------ a batch's phases
+
+    def _start_batch(self, batch: Any, batch_idx: int, is_last: bool) -> bool:
+        """The schedulers' batch start, the batch's position and ``on_train_batch_start``;
+        True when a callback asked to end the epoch here."""
+        drv, num = self.driver, self.num_train
         if self.schedulers:
             self._request(self.schedulers.batch_start(self.state))
         drv.position = drv.train_position = BatchPosition(
             batch_idx, 0, num, 1, is_last, self.state.progress
         )
-        if heard_start:
-            self.state = drv.fire(
-                "on_train_batch_start",
-                self.state,
-                batch=batch,
-                batch_idx=batch_idx,
-                num_batches=num,
-            )
-            if drv.world_size > 1 and drv.handlers("on_train_batch_start"):
-                # one rank's request ends every rank's epoch (only handlers can ask: every
-                # rank has the same callbacks, so all take this collective or none)
-                drv.end_epoch = drv.strategy.reduce_flag(drv.end_epoch, "any")
-            if drv.end_epoch:
-                drv.end_epoch = False
-                drv.train_position = drv.position._replace(is_last=True)  # Lightning's flag
-                return True
-        close = schedule.is_optimizer_step(batch_idx, self._factor, num, is_last)
-        if self._grad_norm_values:
-            self._grad_norm_values = {}
+        if not self._heard[0]:
+            return False
+        self.state = drv.fire(
+            "on_train_batch_start", self.state, batch=batch, batch_idx=batch_idx, num_batches=num
+        )
+        if drv.world_size > 1 and drv.handlers("on_train_batch_start"):
+            # one rank's request ends every rank's epoch (only handlers can ask: every
+            # rank has the same callbacks, so all take this collective or none)
+            drv.end_epoch = drv.strategy.reduce_flag(drv.end_epoch, "any")
+        if not drv.end_epoch:
+            return False
+        drv.end_epoch = False
+        drv.train_position = drv.position._replace(is_last=True)  # Lightning's flag
+        return True
+
+    def _optimize(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
+        """The train step on ``batch`` (the update too when it closes an accumulation
+        window); leaves the new state in ``self.state`` and returns the step's output.
+        One optimizer: backward, checks, ``on_before_optimizer_step``, update. Several (or
+        manual optimization): the ``MultiStep`` runs them, calling back between each
+        backward and its update."""
+        close = schedule.is_optimizer_step(batch_idx, self._factor, self.num_train, is_last)
+        self.checks.start_batch()
         if self._multi:
-
-            def before_update(view, grads, index, name):
-                return self._before_update(view, grads, batch, batch_idx, index, name)
-
-            before_step = None
-            if getattr(self.step, "manual", False) and self.schedulers.has_step_schedules():
-
-                def before_step(view, index, name):
-                    requests = self.schedulers.step_start(view, name)
-                    return drv.carry_out(view, requests) if requests else view
-
-            state, out = self._stepper.run(
-                self.state,
-                batch,
-                batch_idx=batch_idx,
-                end_window=close,
-                before_update=before_update,
-                before_step=before_step,
-            )
+            self.state, out = self._run_optimizers(batch, batch_idx, close)
         else:
-            state, grads = self._stepper.backward(self.state, batch, end_window=close)
-            if self.terminate_on_nan:
-                self._check_finite_loss(grads.output.loss)
-            if grads.ready:
-                if self.terminate_on_nan or self.grad_norm_p is not None:
-                    self._inspect_gradients(grads)
-                if heard_before:
-                    state = drv.fire(
-                        "on_before_optimizer_step",
-                        state,
-                        batch=batch,
-                        batch_idx=batch_idx,
-                        outputs=grads,
-                        num_batches=num,
-                    )
-                state, out = self._apply(state, grads)
-            else:
-                out = grads.output
+            self.state, out = self._run_optimizer(batch, batch_idx, close)
+        return out
 
+    def _run_optimizer(self, batch: Any, batch_idx: int, close: bool) -> tuple[TrainState, Any]:
+        """One optimizer: its backward, and its update when the window closes."""
+        state, grads = self._stepper.backward(self.state, batch, end_window=close)
+        state = self._before_update(state, grads, batch, batch_idx)
+        if not grads.ready:
+            return state, grads.output
+        return self._apply(state, grads)
+
+    def _run_optimizers(self, batch: Any, batch_idx: int, close: bool) -> tuple[TrainState, Any]:
+        """Several optimizers, or manual optimization: one ``MultiStep`` run of the batch."""
+        drv = self.driver
+
+        def before_update(view, grads, index, name):
+            extra = {"optimizer_idx": index, "optimizer_name": name}
+            return self._before_update(view, grads, batch, batch_idx, extra)
+
+        before_step = None
+        if getattr(self.step, "manual", False) and self.schedulers.has_step_schedules():
+
+            def before_step(view, index, name):
+                requests = self.schedulers.step_start(view, name)
+                return drv.carry_out(view, requests) if requests else view
+
+        return self._stepper.run(
+            self.state,
+            batch,
+            batch_idx=batch_idx,
+            end_window=close,
+            before_update=before_update,
+            before_step=before_step,
+        )
+
+    def _record_step_values(self, out: Any, samples_before: int) -> dict[str, Any]:
+        """The step's loss and metrics into the loop state (the values callbacks see, the
+        epoch accumulators) and the progress bar; what to log for this step."""
+        state = self.state
         samples = state.progress.samples - samples_before  # this batch's
-        loop = loop_state.get(state)
+        loop = state.loop
         if not self.log_loss or out.loss is None:  # None: the step skipped its batch
             values = out.metrics
         elif out.metrics:
@@ -539,30 +449,42 @@ class FitLoop:
                 train_specs=_merged_specs(loop.train_specs, resolved),
                 callback_metrics={**loop.callback_metrics, **to_callbacks},
             )
-        self.state = loop_state.put(state, loop)
-        drv.progress_bar_metrics.update(bar)
+        self.state = state.replace(loop=loop)
+        self.driver.progress_bar_metrics.update(bar)
+        return to_log
+
+    def _end_batch(self, batch: Any, batch_idx: int, is_last: bool, out: Any) -> None:
+        """``on_train_batch_end``, at Lightning's logger step; the ranks agree on a stop."""
+        drv = self.driver
         p = self.state.progress
         # Lightning's logger x-axis: batches that stepped, not yet counting this one.
         drv.logger_step = p.step - 1 if out.stepped else p.step
-        if heard_end:
+        if self._heard[2]:
             self.state = drv.fire(
                 "on_train_batch_end",
                 self.state,
                 batch=batch,
                 batch_idx=batch_idx,
                 outputs=out,
-                num_batches=num,
+                num_batches=self.num_train,
                 is_last_batch=is_last,
             )
         if drv.world_size > 1:
             self._agree_on_stop()
-        should_stop = loop_state.get(self.state).should_stop
-        if self._grad_norm_values:
-            to_log = {**to_log, **self._grad_norm_values}
+
+    def _log_step(self, to_log: dict[str, Any], epoch: int, out: Any) -> None:
+        """The step's row (with the gradient norms) when the logging interval says so."""
+        drv = self.driver
+        if self.checks.norms:
+            to_log = {**to_log, **self.checks.norms}
         if to_log and schedule.should_log_step(
-            c, drv.logger_step, should_stop, accumulating=not out.stepped
+            self.config, drv.logger_step, self.state.loop.should_stop, accumulating=not out.stepped
         ):
             drv.log_metrics({**to_log, "epoch": epoch}, drv.logger_step)
+
+    def _validate_if_due(self, epoch: int, batch_idx: int, is_last: bool) -> None:
+        """Validation inside the epoch, where the validation schedule puts it."""
+        c, p = self.config, self.state.progress
         if self.enable_val and schedule.should_validate(
             c,
             epoch=epoch,
@@ -570,17 +492,11 @@ class FitLoop:
             total_batch_idx=p.total_batches - 1,
             is_last_batch=is_last,
             val_check_batch=self.val_check_batch,
-            should_stop=should_stop,
+            should_stop=self.state.loop.should_stop,
             can_stop_early=schedule.can_stop_early(c, p.epoch, p.step),
         ):
             self._validate(epoch)
             self._agree_on_stop()  # validation callbacks (early stopping) may have asked
-        if self.schedulers:
-            metrics = loop_state.get(self.state).callback_metrics
-            self.state, requests = self.schedulers.batch_end(self.state, metrics, out.stepped)
-            self._request(requests)
-        drv.logger_step = self.state.progress.step
-        return False
 
     def _request(self, requests: Any) -> None:
         """Carry out a scheduler's requests (the driver does, as for callbacks')."""
@@ -590,17 +506,24 @@ class FitLoop:
     # ------------------------------------------------------------------ inside a step
 
     def _before_update(
-        self, view: TrainState, grads: Any, batch: Any, batch_idx: int, index: int, name: str
+        self,
+        view: TrainState,
+        grads: Any,
+        batch: Any,
+        batch_idx: int,
+        extra: dict[str, Any] | None = None,
     ) -> TrainState:
-        """Between one optimizer's backward and its update (several optimizers): the
-        non-finite checks, the gradient norms and ``on_before_optimizer_step``."""
-        if self.terminate_on_nan:
-            self._check_finite_loss(grads.output.loss)
+        """Between a backward pass and its update: the non-finite checks, the gradient norms
+        and ``on_before_optimizer_step`` (``extra``: which of several optimizers)."""
+        checks = self.checks
+        if checks.terminate_on_nan:
+            checks.check_loss(grads.output.loss)
         if not grads.ready:
             return view
-        if self.terminate_on_nan or self.grad_norm_p is not None:
-            self._inspect_gradients(grads)
+        if checks.inspects_gradients:
+            checks.inspect(grads)
         if self._heard[1]:
+            fields = {"extra": extra} if extra is not None else {}
             view = self.driver.fire(
                 "on_before_optimizer_step",
                 view,
@@ -608,77 +531,13 @@ class FitLoop:
                 batch_idx=batch_idx,
                 outputs=grads,
                 num_batches=self.num_train,
-                extra={"optimizer_idx": index, "optimizer_name": name},
+                **fields,
             )
         return view
 
     def _where(self) -> str:
         p = self.state.progress
         return f"epoch {p.epoch}, batch {self._batch_idx}, global step {p.step}"
-
-    def _check_finite_loss(self, loss: torch.Tensor | None) -> None:
-        """``terminate_on_nan``'s check of the step's loss, agreed across ranks (one small
-        all-reduce a step): a NaN on one rank stops every rank with the same error, naming
-        the rank, instead of leaving the others to fail in their next collective."""
-        bad = loss is not None and not bool(torch.isfinite(loss).all())
-        drv = self.driver
-        if drv.world_size > 1:
-            if not drv.strategy.reduce_flag(bad, "any"):
-                return
-            seen = drv.strategy.all_gather_object(loss.item() if bad else None)
-            found = [(r, v) for r, v in enumerate(seen) if v is not None]
-        elif not bad:
-            return
-        else:
-            found = [(None, loss.item())]
-        where = ", ".join(f"{v} on rank {r}" if r is not None else f"{v}" for r, v in found)
-        raise NonFiniteLossError(
-            f"terminate_on_nan: the loss returned by the training step is {where} "
-            f"({self._where()}); training stopped before the optimizer update, so the "
-            "state and the last checkpoint hold no NaN"
-        )
-
-    def _inspect_gradients(self, grads: Any) -> None:
-        """``track_grad_norm``'s norms of the gradients the optimizer is about to use and
-        ``terminate_on_nan``'s check of them (before the update)."""
-        values = grads.grads
-        if not values:  # a skipped batch: no gradients to look at
-            return
-        names = list(values)
-        tensors = list(values.values())
-        # A float16 overflow (``grads.finite`` False) is the loss scaler's routine: the
-        # update is skipped and the scale lowered, so it is no reason to stop.
-        drv = self.driver
-        if self.terminate_on_nan and getattr(grads, "finite", True):
-            finite = [bool(torch.isfinite(t).all()) for t in tensors]
-            # sharded gradients (FSDP): a NaN may sit in one rank's shard only; every rank
-            # stops together, not one while the others wait in the next collective
-            stop = not all(finite)
-            if drv.world_size > 1:
-                stop = drv.strategy.reduce_flag(stop, "any")
-            if stop:
-                bad = [n for n, ok in zip(names, finite) if not ok]
-                if drv.world_size > 1:  # name the ranks whose gradients (or shards) hold it
-                    held = drv.strategy.all_gather_object(bool(bad))
-                    ranks = [r for r, b in enumerate(held) if b]
-                    bad = f"{bad or 'the shards of another rank'} (on rank(s) {ranks})"
-                raise NonFiniteLossError(
-                    f"terminate_on_nan: detected nan and/or inf values in the gradients of "
-                    f"{bad} ({self._where()}); training stopped before the optimizer update, "
-                    "so the state and the last checkpoint hold no NaN"
-                )
-        p = self.grad_norm_p
-        if p is None:
-            return
-        sharded = getattr(drv.strategy, "gradient_norms", None)  # FSDP: of whole gradients
-        norms = sharded(tensors, p) if sharded is not None else torch._foreach_norm(tensors, p)
-        prefix = f"grad_{p}_norm"
-        found = self._grad_norm_values
-        found.pop(f"{prefix}_total", None)
-        found.update({f"{prefix}/{n}": v.detach() for n, v in zip(names, norms)})
-        # the norm of every gradient of the batch (several optimizers: all of theirs)
-        stacked = torch.stack([v.float() for v in found.values()])
-        found[f"{prefix}_total"] = torch.linalg.vector_norm(stacked, p)
 
     def _apply(self, state: TrainState, grads: Any) -> tuple[TrainState, Any]:
         """The optimizer update; in place when donating.
@@ -705,7 +564,7 @@ class FitLoop:
         batch, so their states and checkpoints stay consistent)."""
         drv = self.driver
         if drv.world_size > 1:
-            loop = loop_state.get(self.state)
+            loop = self.state.loop
             agreed = drv.strategy.reduce_flag(loop.should_stop, "any")
             if agreed != loop.should_stop:
                 self._record(should_stop=agreed)
@@ -714,7 +573,7 @@ class FitLoop:
         """A new training epoch's accumulators: none, but the kept ones (``aggregate.keep``:
         state the steps keep across epochs; those that end with the training epoch,
         ``aggregate.drop_ended``, are dropped)."""
-        loop = loop_state.get(self.state)
+        loop = self.state.loop
         kept = aggregate.kept(loop.train_epoch, loop.train_specs, ending=Stage.TRAIN)
         self._record(train_epoch=kept)
 
@@ -731,7 +590,7 @@ class FitLoop:
 
     def _epoch_end(self, epoch: int) -> None:
         drv = self.driver
-        loop = loop_state.get(self.state)
+        loop = self.state.loop
         accumulated = aggregate.reported(loop.train_epoch, loop.train_specs)
         if drv.world_size > 1:  # epoch values cover every process's batches
             accumulated = drv.strategy.sync_metrics(accumulated)
@@ -745,7 +604,7 @@ class FitLoop:
             self._fire("on_train_epoch_end", num_batches=self.num_train)
         self._agree_on_stop()
         if self.schedulers:
-            metrics = loop_state.get(self.state).callback_metrics
+            metrics = self.state.loop.callback_metrics
             self.state, requests = self.schedulers.epoch_end(self.state, metrics)
             self._request(requests)
         row = {**to_log, **logged_by_callbacks}

@@ -209,6 +209,7 @@ class MultiStep:
             buffers=sub.buffers,
             precision=sub.precision,
             callbacks=sub.callbacks,
+            loop=sub.loop,
             extra=extra,
             opt_state=multi.replace(states={**multi.states, cfg.name: sub.opt_state}, steps=steps),
             grad_accum=kept or None,
@@ -233,7 +234,7 @@ class MultiStep:
         if before_update is not None:  # every micro-batch (its loss), not only full windows
             view = self._merge(state, sub, index, False).replace(progress=state.progress)
             view = before_update(view, grads, index, self.names[index])
-            sub = sub.replace(callbacks=view.callbacks, extra=view.extra)
+            sub = sub.replace(callbacks=view.callbacks, loop=view.loop, extra=view.extra)
         if grads.ready:
             sub, out = step.apply(sub, grads)
         else:
@@ -437,7 +438,7 @@ class OptimizerHandle:
         if self._before is not None:
             view = owner._merge(state, sub, index, False).replace(progress=state.progress)
             view = self._before(view, pending, index, owner.names[index])
-            sub = sub.replace(callbacks=view.callbacks, extra=view.extra)
+            sub = sub.replace(callbacks=view.callbacks, loop=view.loop, extra=view.extra)
         sub, out = owner.steps[index].apply(sub, pending)
         self.state = owner._merge(state, sub, index, out.stepped)
         self.outputs.append(out)

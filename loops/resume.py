@@ -51,7 +51,6 @@ command again with ``ckpt_path="last"`` resumes from it.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 import signal
 import sys
@@ -68,15 +67,13 @@ from purestep.engine.state import TrainState
 
 from . import loop_state
 from .callbacks.checkpoint import ModelCheckpoint
+from .checkpoint_removal import remove_checkpoint
+from .ckpt_path import CKPT_KEYWORDS, missing_checkpoint, resumable
 from .task import saved_data
 
 __all__ = ["CKPT_KEYWORDS", "PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted"]
 
 PREEMPTED_EXIT_CODE = 75
-#: What ``ckpt_path`` accepts besides a path (fit: "last" only).
-CKPT_KEYWORDS = ("last", "best")
-# Lightning keywords this Trainer does not have.
-_UNSUPPORTED_KEYWORDS = {"hpc": "Lightning's SLURM checkpoint keyword, not available yet"}
 
 
 #: Where a DDP checkpoint holds every rank's epoch accumulators (``TrainState.extra``).
@@ -216,7 +213,7 @@ class Checkpointing:
         if strategy.world_size <= 1 or not isinstance(state, TrainState):
             return state
         # as leaves (tensors and numbers): the accumulators' classes may be made at run time
-        own = loop_state.get(state).train_epoch
+        own = loop_state.ready(state).loop.train_epoch  # none yet: a fit that failed early
         structure = tree.structure(own)
         leaves = [x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in tree.leaves(own)]
         gathered = strategy.all_gather_object((repr(structure), leaves))  # CPU: any device
@@ -253,34 +250,7 @@ class Checkpointing:
         not write). A sharded checkpoint goes with the hidden versions of its name that
         killed saves left (``sharded.remove_hidden``), also where only those are left: none
         of them would otherwise come back as the name's newest state."""
-        local = ck.storage.filesystem(path)[1] if ck.storage.is_local_url(path) else None
-        if local is not None and _sharded_name(local):
-            # a sharded checkpoint (FSDP): only a committed purestep folder of this run's
-            folder = os.path.realpath(ck.storage.filesystem(self._folder_of(path))[1])
-            parent = os.path.realpath(os.path.dirname(local))
-            if not _inside(parent, folder):
-                warnings.warn(
-                    f"not deleting {path}: its folder is {parent}, outside the checkpoint "
-                    f"folder {folder}",
-                    stacklevel=2,
-                )
-                return
-            try:
-                if ck.sharded.is_sharded_checkpoint(local):
-                    ck.sharded.remove(local)
-                else:  # only hidden versions: a cut-short commit holds its newest state
-                    ck.sharded.remove_hidden(local)
-            except ck.CheckpointError as err:
-                warnings.warn(f"not deleting {path}: {err}", stacklevel=2)
-            return
-        if local is not None:
-            reason = _not_ours(local, ck.storage.filesystem(self._folder_of(path))[1])
-            if reason:
-                warnings.warn(f"not deleting {path}: {reason}", stacklevel=2)
-                return
-        ck.remove(path)
-        if local is not None:  # sharded versions a save cut short left: none comes back
-            ck.sharded.remove_hidden(local)
+        remove_checkpoint(path, self._folder_of(path))
 
     def _folder_of(self, path: str) -> str:
         """The checkpoint folder ``path`` is in: the deepest of this fit's checkpoint
@@ -504,7 +474,7 @@ class Checkpointing:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 # a sharded folder is checked, not read: restore loads it laid out like fresh
-                found = ck.load_latest(folders, accept=_resumable, tensors=False)
+                found = ck.load_latest(folders, accept=resumable, tensors=False)
             for w in caught:
                 if say is not None:
                     say(str(w.message))
@@ -533,7 +503,7 @@ class Checkpointing:
                 f"{url} holds weights only and cannot resume training; start from its weights "
                 "with engine.checkpoint.load_weights(state, path, model)"
             )
-        loaded = self._own_rank_accumulators(loaded, url)
+        loaded = self._own_rank_accumulators(loop_state.ready(loaded), url)
         if not ck.sharded.is_sharded_checkpoint(url):
             loaded = ck.conform(loaded, fresh, url=url)
             if _sharded(fresh) and not _sharded(loaded):  # a plain file into FSDP ranks
@@ -569,9 +539,8 @@ class Checkpointing:
                 stacklevel=3,
             )
             return loaded
-        loop = loop_state.get(loaded)
         own = ranks["train_epoch"][rank]
-        return loop_state.put(loaded, loop.replace(train_epoch=own))
+        return loaded.replace(loop=loaded.loop.replace(train_epoch=own))
 
     def load_for_eval(self, url: str, fresh: TrainState, *, with_metadata: bool = False) -> Any:
         """``fresh`` with the parameters and buffers of ``url`` (a full or weights-only
@@ -660,28 +629,6 @@ class Checkpointing:
         return self.strategy.broadcast_object(own if self.strategy.is_primary else None, 0)
 
 
-def ckpt_keywords(fn: str) -> tuple[str, ...]:
-    """The ``ckpt_path`` keywords ``fn`` accepts ("best" is an evaluation's only)."""
-    return CKPT_KEYWORDS if fn != "fit" else ("last",)
-
-
-def missing_checkpoint(url: str, fn: str) -> str:
-    """The error for a ``ckpt_path`` that is no file: the keyword it is close to, if any
-    (a bare word only, not a path), and the keywords ``fn`` accepts."""
-    keywords = ckpt_keywords(fn)
-    hint = ""
-    word = url.strip().lower()
-    if word in _UNSUPPORTED_KEYWORDS:
-        hint = f" ({word!r} is {_UNSUPPORTED_KEYWORDS[word]})"
-    elif not any(c in url for c in "/\\."):
-        close = difflib.get_close_matches(word, keywords, n=1)
-        if close:
-            hint = f" (did you mean {close[0]!r}?)"
-    *others, final = [repr(k) for k in keywords]
-    accepted = ", ".join(["a checkpoint path", *others]) + f" or {final}"
-    return f"ckpt_path={url!r}: no checkpoint at {url}{hint}; {fn} takes {accepted}"
-
-
 def _sharded(state: Any) -> bool:
     """Whether ``state`` holds sharded tensors (DTensors: the FSDP strategy's states)."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -690,44 +637,6 @@ def _sharded(state: Any) -> bool:
     from purestep.engine.tree import leaves
 
     return any(isinstance(x, module.DTensor) for x in leaves(state))
-
-
-def _resumable(state: Any, metadata: dict[str, Any]) -> bool:
-    """Whether a loaded checkpoint can resume training: a weights-only file is passed over
-    (False); any other state that is not a ``TrainState`` is an error (skipped, warned)."""
-    if metadata.get("weights_only", False):
-        return False
-    if not isinstance(state, TrainState):
-        raise ck.CheckpointError(
-            f"it holds a {type(state).__name__}, not a TrainState, and cannot resume training"
-        )
-    return True
-
-
-def _not_ours(path: str, folder: str | None = None) -> str | None:
-    """Why the local file ``path`` is not one to delete (None: a regular file, a missing
-    one, or a symlink to a regular file, in the checkpoint folder ``folder``, its own
-    folder by default). "In" is by real path: a subfolder that is a symlink out is not."""
-    root = os.path.realpath(folder or os.path.dirname(path) or ".")
-    parent = os.path.realpath(os.path.dirname(path) or ".")
-    if not _inside(parent, root):
-        return f"its folder is {parent}, outside the checkpoint folder {root}"
-    if os.path.islink(path):
-        target = os.path.realpath(path)
-        if not _inside(os.path.dirname(target), root):
-            return f"it is a symbolic link to {target}, outside {root}"
-        return None if os.path.isfile(target) else "it links to no regular file"
-    if os.path.lexists(path) and not os.path.isfile(path):
-        return "it is not a regular file"
-    return None
-
-
-def _inside(path: str, root: str) -> bool:
-    """Whether the real path ``path`` is ``root`` or under it."""
-    try:
-        return os.path.commonpath([path, root]) == root
-    except ValueError:  # different drives
-        return False
 
 
 def _sharded_folder(path: str) -> str | None:
@@ -740,17 +649,6 @@ def _sharded_folder(path: str) -> str | None:
     if os.path.islink(local) or not ck.sharded.is_sharded_checkpoint(local):
         return None
     return local
-
-
-def _sharded_name(local: str) -> bool:
-    """Whether the local checkpoint path ``local`` is a sharded checkpoint to delete as a
-    folder: a sharded folder (not a symlink), or no entry at all while the name's newest
-    committed state is a hidden folder beside it (``engine.checkpoint.sharded.newest``)."""
-    if os.path.islink(local):
-        return False
-    if ck.sharded.is_sharded_checkpoint(local):
-        return True
-    return not os.path.lexists(local) and ck.sharded.newest(local) is not None
 
 
 def _warn(message: str) -> None:

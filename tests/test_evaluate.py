@@ -148,9 +148,7 @@ def test_run_evaluation_sanity_logs_nothing_and_counts_nothing():
         state, step, sources, stage=Stage.SANITY_CHECK, driver=driver, max_batches=[2]
     )
     assert logger.metrics == [] and results == [{"val_s_epoch": results[0]["val_s_epoch"]}]
-    from purestep.loops import loop_state
-
-    assert loop_state.get(state).callback_metrics == {}
+    assert state.loop.callback_metrics == {}
     state, _ = run_evaluation(
         state, step, sources, stage=Stage.VALIDATE, driver=driver, max_batches=[2]
     )
@@ -158,7 +156,7 @@ def test_run_evaluation_sanity_logs_nothing_and_counts_nothing():
         state, step, sources, stage=Stage.VALIDATE, driver=driver, max_batches=[2]
     )
     assert [s for s, row in logger.metrics if "val_s_step" in row] == [0, 1, 2, 3]
-    assert set(loop_state.get(state).callback_metrics) == {"val_s", "val_s_epoch"}
+    assert set(state.loop.callback_metrics) == {"val_s", "val_s_epoch"}
 
 
 def test_run_evaluation_argument_errors():

@@ -127,7 +127,7 @@ def test_hook_computed_metrics_equal_lightnings_own_trainer(tmp_path):
     assert _history(ours, HOOK_LOGGED) == _history(theirs, HOOK_LOGGED)
     assert len(_history(ours, ("seen_mse",))["seen_mse"]) == 3
     # what stays in the state: the never-reset metric's states; the others were reset
-    loop = state.extra["loop"]
+    loop = state.loop
     assert sorted(n for n in loop.train_epoch if n.startswith("torchmetrics/")) == [
         "torchmetrics/seen_mse"
     ]
@@ -304,7 +304,7 @@ def test_a_metric_never_reset_accumulates_over_epochs_and_evaluations_as_in_torc
     # 20 samples an epoch, 10 an evaluation; the evaluation counter reset after epoch 1
     assert _history(ours, names)["seen"] == [20.0, 40.0, 60.0, 80.0]
     assert _history(ours, names)["val_seen"] == [10.0, 20.0, 10.0, 20.0]
-    kept = state.extra["loop"].train_epoch["torchmetrics/seen"]
+    kept = state.loop.train_epoch["torchmetrics/seen"]
     assert float(kept.states["sum_value"]) == 80.0 and int(kept.updates) == 16
     # the sanity check leaves no trace (Lightning would count its batches in val_seen)
     purestep.seed_everything(0)
@@ -560,7 +560,7 @@ def test_a_metric_logged_from_a_step_is_reset_at_its_stage_s_epoch_end_as_in_lig
     assert ours["second_at_start"] == [0.0, 0.0, 0.0]
     assert ours["cut"] == [9.0, 9.0, 9.0] and ours["cut_at_start"] == [0.0, 0.0, 0.0]
     assert torch.equal(trainer.callback_metrics["odd"], lightning_trainer.callback_metrics["odd"])
-    assert not [n for n in state.extra["loop"].train_epoch if n.startswith("torchmetrics/")]
+    assert not [n for n in state.loop.train_epoch if n.startswith("torchmetrics/")]
 
 
 @pytest.mark.bitwise
@@ -631,7 +631,7 @@ def _hooked(hook: str = "on_train_batch_end") -> tuple[Any, dict[str, Any], Any]
             metric.update(logits, y)
     out = metric_states.end_step(module, metrics, set())
     acc = {name: entry.value for name, entry in out.items()}
-    state = SimpleNamespace(extra={"loop": loop_state.LoopState(train_epoch=acc)})
+    state = SimpleNamespace(loop=loop_state.LoopState(train_epoch=acc))
     return module, metrics, SimpleNamespace(state=state, world_size=1)
 
 
@@ -641,7 +641,7 @@ def test_a_hook_loads_only_the_metrics_it_uses_and_gives_them_back_as_they_were(
     module, metrics, ctx = _hooked()
     classes = {path: type(m) for path, m in metrics.items()}
     before = {path: dict(metric_states._states(m)) for path, m in metrics.items()}
-    kept = ctx.state.extra["loop"].train_epoch
+    kept = ctx.state.loop.train_epoch
     with metric_states.in_hook(metrics, ctx, "on_train_batch_end") as hooked:
         list(module.parameters())  # hashes every submodule: no load for that
         assert isinstance(module.train_acc, torchmetrics.classification.MulticlassAccuracy)
@@ -662,7 +662,7 @@ def test_a_lazily_loaded_metric_resets_updates_and_copies_as_an_eagerly_loaded_o
     from purestep.loops.lightning import metric_states
 
     module, metrics, ctx = _hooked()
-    kept = ctx.state.extra["loop"].train_epoch
+    kept = ctx.state.loop.train_epoch
     with metric_states.in_hook(metrics, ctx, "on_train_epoch_end") as hooked:
         module.train_acc.reset()  # its first use: writes the update count before a state
         module.seen_mse.update(torch.ones(2), torch.zeros(2))

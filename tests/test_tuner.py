@@ -597,3 +597,28 @@ def test_lr_find_refuses_an_injected_lr_schedule_that_overrides_the_sweep():
         Tuner(trainer()).lr_find(
             Scheduled(), DataLoader(data(), batch_size=4), num_training=5, update_attr=False
         )
+
+
+def test_trials_run_on_a_plain_trainer_when_the_tuner_is_given_a_subclass():
+    """A Trainer subclass may take other arguments and add its own callbacks: the trials are
+    plain Trainers with the given one's flags, so the subclass's ``__init__`` is not called
+    again, and the result is the plain Trainer's."""
+    built = []
+
+    class Named(Trainer):
+        def __init__(self, name, **flags):
+            built.append(name)
+            super().__init__(**flags)
+
+    flags = dict(enable_progress_bar=False, enable_model_summary=False, logger=False)
+    flags.update(enable_checkpointing=False)
+    run = dict(num_training=12, early_stop_threshold=None, update_attr=False)
+    loader = DataLoader(data(), batch_size=4)
+    ours = Tuner(Named("mine", **flags)).lr_find(LRTask(), loader, **run)
+    plain = Tuner(trainer()).lr_find(LRTask(), loader, **run)
+    assert built == ["mine"]
+    assert ours.results == plain.results
+    with pytest.raises(TypeError, match="needs a purestep Trainer"):
+        from purestep.loops.tuning.trial import trial_trainer
+
+        trial_trainer(object())

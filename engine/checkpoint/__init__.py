@@ -19,7 +19,7 @@ any world size (``sharded``; its pickled DCP index read by ``dcp_metadata``).
 from . import sharded, storage
 from .background import AsyncCheckpointer
 from .codec import CheckpointError, decode, encode
-from .discover import candidates, find_latest, load_latest, modified_time, ranked, read_latest
+from .discover import candidates, find_latest, load_latest, ranked, read_latest
 from .files import (
     FORMAT,
     FORMAT_VERSION,
@@ -35,7 +35,14 @@ from .files import (
     versions,
 )
 from .interop import export_state_dict, load_weights, read_state_dict
-from .storage import MARKER_SUFFIX, is_committed, remove, remove_partial, write_atomic
+from .storage import (
+    MARKER_SUFFIX,
+    is_committed,
+    modified_time,
+    remove,
+    remove_partial,
+    write_atomic,
+)
 
 __all__ = [
     "FORMAT",

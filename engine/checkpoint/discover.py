@@ -48,6 +48,7 @@ from typing import Any
 from . import sharded, storage
 from .codec import CheckpointError
 from .files import load_payload, matches_record, payload_record, read, read_record
+from .storage import modified_time  # re-exported: its home is the storage layer
 
 __all__ = ["candidates", "find_latest", "load_latest", "modified_time", "ranked", "read_latest"]
 
@@ -345,18 +346,3 @@ def _skip(url: str, err: BaseException) -> None:
 
 def _join(folder: str, name: str) -> str:
     return folder.rstrip("/") + "/" + name
-
-
-def modified_time(info: dict[str, Any]) -> float:
-    """A file's modification time from an fsspec ``info`` dict (0 when it has none)."""
-    for key in ("mtime", "created", "LastModified", "last_modified"):
-        value = info.get(key)
-        if value is None:
-            continue
-        if hasattr(value, "timestamp"):
-            return value.timestamp()
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            continue
-    return 0.0

@@ -35,6 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from purestep.engine.bind import canonical_names
+from purestep.engine.state import Progress, TrainState
+
 from . import storage
 from .codec import MAX_DEPTH, Budget, CheckpointError, _at, _label, decode, encode
 from .matching import conform, fit_to
@@ -360,9 +363,7 @@ def load_module(
 def module_from(loaded: Any, template: nn.Module, *, url: str, to_template: bool) -> nn.Module:
     """``load_module`` of a state already decoded (a ``TrainState`` or a weights-only
     payload); ``to_template``: move each tensor to its template tensor's device first."""
-    from ..bind import canonical_names
-    from ..export import to_module  # export imports this package: import at call time
-    from ..state import Progress, TrainState
+    from purestep.engine.export import to_module  # at call time: the command line's start-up
 
     if isinstance(loaded, TrainState):
         state = loaded

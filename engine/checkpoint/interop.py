@@ -18,28 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from purestep.engine.bind import canonical_names
+from purestep.engine.bind import canonical_names, export_state_dict  # re-exported
 from purestep.engine.state import TrainState
 
 from .codec import CheckpointError
 from .safe_load import torch_load
 
 __all__ = ["export_state_dict", "load_weights", "read_state_dict"]
-
-
-def export_state_dict(state: TrainState, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """The state's weights as a ``state_dict`` (with ``model``: its exact keys and order)."""
-    tensors = {**state.params, **state.buffers}
-    if model is None:
-        return dict(tensors)
-    by_slot = canonical_names(model)
-    out = {}
-    for key in model.state_dict(keep_vars=True):
-        source = by_slot.get(key)
-        if source is None or source not in tensors:
-            raise KeyError(f"the state has no tensor for {key!r} of the model's state_dict")
-        out[key] = tensors[source]
-    return out
 
 
 def read_state_dict(source: Any, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

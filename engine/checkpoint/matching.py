@@ -3,8 +3,8 @@
 For two ``TrainState``s the target decides only what depends on the model and the optimizer
 (``params``, ``buffers``, ``opt_state``, ``precision``): their structure, shapes and dtypes
 must match, and the loaded tensors land on the target's devices. The run's position comes
-from the file (``progress``, ``rng``, ``callbacks``, ``extra`` and the open accumulation
-window's ``grad_accum``, whose tensors are checked against the target's parameters and
+from the file (``progress``, ``rng``, ``callbacks``, ``loop``, ``extra`` and the open
+accumulation window's ``grad_accum``, whose tensors are checked against the target's parameters and
 placed on their devices): a fresh ``engine.init`` state has none of it, and must not veto it.
 
 ``strict=False`` takes what matches and keeps the target's values for the rest. If the

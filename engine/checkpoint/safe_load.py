@@ -41,6 +41,7 @@ import torch
 from . import storage, zip_layout
 from .codec import MAX_NODES, CheckpointError, layout_problem
 from .codec import _label as _codec_label
+from .zip_layout import corrupt  # re-exported: its home is the layout check
 
 __all__ = [
     "MAX_PICKLE_VALUES",
@@ -82,11 +83,6 @@ _REFUSALS = (
     "must be imported to load",
 )
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
-
-
-def corrupt(url: str, detail: str) -> CheckpointError:
-    """The error for a file that does not read as a checkpoint."""
-    return CheckpointError(f"{url} is corrupt or truncated, or not a checkpoint: {detail}")
 
 
 def check_archive(f: IO[bytes], url: str, *, verify: bool = True) -> zipfile.ZipFile:

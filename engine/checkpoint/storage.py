@@ -51,6 +51,7 @@ __all__ = [
     "filesystem",
     "is_committed",
     "is_local_url",
+    "modified_time",
     "open_read",
     "remove",
     "remove_partial",
@@ -307,6 +308,21 @@ def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
             fs.rm(p)
 
 
+def modified_time(info: dict[str, Any]) -> float:
+    """A file's modification time from an fsspec ``info`` dict (0 when it has none)."""
+    for key in ("mtime", "created", "LastModified", "last_modified"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return value.timestamp()
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return 0.0
+
+
 def remove_partial(
     folder: str,
     storage_options: dict[str, Any] | None = None,
@@ -321,8 +337,6 @@ def remove_partial(
     file is never deleted, so this is safe while other processes use the folder. Files that
     cannot be deleted (a read-only folder) stay.
     """
-    from .discover import modified_time  # discover imports this module
-
     fs, path = filesystem(folder, storage_options)
     if not fs.exists(path):
         return []

@@ -44,7 +44,7 @@ from typing import IO, NamedTuple
 
 from .codec import CheckpointError
 
-__all__ = ["Directory", "check_entries", "check_layout", "find_directory"]
+__all__ = ["Directory", "check_entries", "check_layout", "corrupt", "find_directory"]
 
 _END = struct.Struct("<4sHHHHIIH")  # the end of central directory record
 _LOCATOR = struct.Struct("<4sIQI")  # the zip64 end of central directory locator
@@ -65,10 +65,12 @@ class Directory(NamedTuple):
     entries: int
 
 
-def _corrupt(url: str, detail: str) -> CheckpointError:
-    # safe_load imports this module, so its ``corrupt`` is looked up when needed
-    from .safe_load import corrupt
+def corrupt(url: str, detail: str) -> CheckpointError:
+    """The error for a file that does not read as a checkpoint."""
+    return CheckpointError(f"{url} is corrupt or truncated, or not a checkpoint: {detail}")
 
+
+def _corrupt(url: str, detail: str) -> CheckpointError:
     return corrupt(url, detail + " (not the layout torch.save writes)")
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from purestep.engine.state import TrainState
 
-from ..events import NOTHING, Context, Requests
+from ..events import DEFAULT_HANDLERS, NOTHING, Context, Requests
 
 __all__ = ["Callback", "init_states"]
 
@@ -159,6 +159,10 @@ class Callback:
 
     def on_predict_end(self, state: Any, ctx: Context) -> tuple[Any, Requests]:
         return state, NOTHING
+
+
+# ``loops.events.handles``: a callback that keeps one of the handlers above handles nothing
+setattr(Callback, DEFAULT_HANDLERS, True)
 
 
 def init_states(callbacks: Sequence[Callback], state: TrainState) -> TrainState:

@@ -70,7 +70,8 @@ from torch import nn
 from purestep.engine import metrics as M
 from purestep.engine.tree import field, struct
 
-from .. import aggregate, loop_state
+from .. import aggregate
+from .deferred_metrics import PENDING, deferred, load_pending
 
 __all__ = [
     "KEPT_PREFIX",
@@ -489,7 +490,7 @@ class in_hook:
     back as it was. ``finish`` turns the metric objects the hook logged into numbers.
 
     A metric is loaded when the hook first reads or writes one of its states, update
-    counters or methods (``_deferred``): most hooks touch none, and then cost nothing per
+    counters or methods (``deferred_metrics``): most hooks touch none, and then cost nothing per
     metric but a class swap each way."""
 
     def __init__(self, metrics: Mapping[str, Any], ctx: Any, hook: str, view: Any = None):
@@ -508,14 +509,14 @@ class in_hook:
         self.refuse = self.hook == "on_before_optimizer_step"
         if not self.refuse:
             _STEP.close()  # a hook runs between steps (a failed step left nothing to note)
-        self.acc = loop_state.get(self.state).train_epoch if self.metrics else {}
+        self.acc = self.state.loop.train_epoch if self.metrics else {}
         for path, metric in self.metrics.items():
-            if id(metric) in _PENDING:  # an enclosing hook's, not loaded yet: now
-                _load_pending(metric)
+            if id(metric) in PENDING:  # an enclosing hook's, not loaded yet: now
+                load_pending(metric)
             cls = type(metric)
             self.classes[path] = cls
-            _PENDING[id(metric)] = (self, path)
-            object.__setattr__(metric, "__class__", _deferred(cls, tuple(metric._defaults)))
+            PENDING[id(metric)] = (self, path)
+            object.__setattr__(metric, "__class__", deferred(cls, tuple(metric._defaults)))
         return self
 
     def _load_metric(self, path: str) -> None:
@@ -555,8 +556,8 @@ class in_hook:
     def __exit__(self, *exc: Any) -> None:
         for path, metric in self.metrics.items():  # the metrics the hook never used
             if path not in self.saved:
-                if _PENDING.get(id(metric), (None,))[0] is self:
-                    del _PENDING[id(metric)]
+                if PENDING.get(id(metric), (None,))[0] is self:
+                    del PENDING[id(metric)]
                 object.__setattr__(metric, "__class__", self.classes[path])
         error = None
         for path, metric in self.metrics.items():
@@ -655,76 +656,6 @@ class in_hook:
                 f"{type(value).__name__}; self.log takes metrics whose value is one number"
             )
         return value.detach().reshape(())
-
-
-#: The metrics an ``in_hook`` has not loaded yet, by ``id``: (the hook's view, path).
-_PENDING: dict[int, tuple[in_hook, str]] = {}
-#: What ``in_hook`` loads a metric on the first use of, besides its states: the flags
-#: ``_load`` sets and the methods that read or reset them.
-_LOADING = ("_update_count", "_computed", "_forward_cache", "_to_sync")
-_LOADING += ("update", "compute", "forward", "reset")
-_DEFERRED: dict[tuple[type, tuple[str, ...]], type] = {}
-
-
-def _load_pending(metric: Any) -> None:
-    """Load a metric its ``in_hook`` deferred (its class is the ``_deferred`` one)."""
-    found = _PENDING.pop(id(metric), None)
-    if found is None:  # not a pending hook's (it failed to put it back): its class back
-        object.__setattr__(metric, "__class__", type(metric).__bases__[0])
-        return
-    owner, path = found
-    owner._load_metric(path)
-
-
-def _deferred(cls: type, names: tuple[str, ...]) -> type:
-    """A subclass of ``cls`` whose instances load themselves (``in_hook._load_metric``)
-    when one of their states (``names``), update flags or methods is read or written,
-    which gives them their class back. ``in_hook`` sets it as a metric's class for the
-    hook's length: a hook that never uses the metric costs no copy of its kept states."""
-    key = (cls, names)
-    found = _DEFERRED.get(key)
-    if found is None:
-        namespace: dict[str, Any] = {name: _loading(name) for name in (*names, *_LOADING)}
-        namespace.update(
-            __module__=cls.__module__,
-            __qualname__=cls.__qualname__,
-            __hash__=_hash_unloaded,  # named_modules() hashes modules: no load for that
-            __getstate__=_loaded_then("__getstate__"),
-            __reduce_ex__=_loaded_then("__reduce_ex__"),
-        )
-        found = _DEFERRED[key] = type(cls)(cls.__name__, (cls,), namespace)
-    return found
-
-
-def _loading(name: str) -> property:
-    def get(self: Any) -> Any:
-        _load_pending(self)
-        return getattr(self, name)
-
-    def put(self: Any, value: Any) -> None:
-        _load_pending(self)
-        setattr(self, name, value)
-
-    def delete(self: Any) -> None:
-        _load_pending(self)
-        delattr(self, name)
-
-    return property(get, put, delete)
-
-
-def _loaded_then(method: str) -> Any:
-    def call(self: Any, *args: Any) -> Any:
-        _load_pending(self)
-        return getattr(self, method)(*args)
-
-    return call
-
-
-def _hash_unloaded(self: Any) -> int:
-    """torchmetrics' ``Metric.__hash__`` (class name, id and states), of the states as
-    they are, without loading."""
-    held = self.__dict__
-    return hash((type(self).__name__, id(self), *(held[n] for n in self._defaults)))
 
 
 def _default(metric: Any, name: str) -> torch.Tensor:

@@ -23,11 +23,20 @@ __all__ = ["trial_trainer"]
 _SHARED = ("benchmark", "inference_mode", "compile", "terminate_on_nan", "track_grad_norm")
 
 
-def trial_trainer(trainer: Any, callbacks: Sequence[Any] = (), **flags: Any) -> Any:
-    """A private ``Trainer`` like ``trainer``, its loop flags updated with ``flags``."""
-    from ..trainer import Trainer
+def _plain_trainer_class(trainer: Any) -> type:
+    """``purestep.loops.Trainer``, found on ``trainer``'s class rather than imported
+    (``loops.trainer`` imports this package: an import back would close a circle)."""
+    for cls in type(trainer).__mro__:
+        if cls.__module__ == "purestep.loops.trainer" and cls.__qualname__ == "Trainer":
+            return cls
+    raise TypeError(f"the Tuner needs a purestep Trainer, got {type(trainer).__name__}")
 
-    inner = Trainer(
+
+def trial_trainer(trainer: Any, callbacks: Sequence[Any] = (), **flags: Any) -> Any:
+    """A private ``Trainer`` like ``trainer``, its loop flags updated with ``flags``: a plain
+    ``Trainer`` even when ``trainer`` is of a subclass (whose ``__init__`` may take other
+    arguments, or add callbacks the trials must not run)."""
+    inner = _plain_trainer_class(trainer)(
         strategy=trainer.strategy,
         logger=False,
         enable_checkpointing=False,

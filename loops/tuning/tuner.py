@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import LoopConfig
 from .batch_size import scale_batch_size as _scale_batch_size
 from .lr_finder import LRFinder
 from .lr_finder import lr_find as _lr_find
@@ -23,9 +24,9 @@ class Tuner:
     """The learning-rate finder and the batch-size scaler for ``trainer``."""
 
     def __init__(self, trainer: Any) -> None:
-        from ..trainer import Trainer
-
-        if not isinstance(trainer, Trainer):
+        # a purestep Trainer is the one whose flags are a LoopConfig (the Trainer module
+        # imports this one, so the class itself is not looked up here)
+        if not isinstance(getattr(trainer, "config", None), LoopConfig):
             raise TypeError(f"Tuner needs a purestep Trainer, got {type(trainer).__name__}")
         self._trainer = trainer
 
