@@ -39,6 +39,7 @@ EXPECTED = {
         "from_torch_ratio_mid",
     },
     "char_lm.py": {"ratio_eager", "ratio_compiled"},
+    "lightning_loop.py": {"ratio", "task_ratio"},
     "cli_startup.py": {"help_s", "torch_import_s", "overhead_s", "ratio"},
     "compile_step.py": {
         "ratio_small",
