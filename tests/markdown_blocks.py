@@ -3,15 +3,18 @@
 A test declares the blocks it runs with ``@page.runs(<first line>, ...)`` and must run
 exactly those (``page.run(prefix, namespace)``; ``page.ran`` records what it ran);
 ``page.unrun()`` lists the blocks no test declares, so a page cannot grow a block nobody
-runs. The README's and the guide's tests share this.
+runs. The README's and the guide's tests share this. A "page" may also be a book: several
+files read in order as one (the README and the documentation site's pages), so that blocks
+that build on each other may sit on different pages.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _BLOCK = re.compile(r"^[ \t]*```(?:python|py|python3)[ \t]*\n(.*?)^[ \t]*```", re.S | re.M)
@@ -23,16 +26,21 @@ def first_line(block: str) -> str:
 
 
 class MarkdownBlocks:
-    """The python blocks of the page at ``path`` (read anew on each look)."""
+    """The python blocks of the page at ``path``, or of the pages at ``path`` in that order
+    (read anew on each look)."""
 
-    def __init__(self, path: str, name: str) -> None:
-        self.path, self.name = path, name
+    def __init__(self, path: str | Sequence[str], name: str) -> None:
+        self.paths = [path] if isinstance(path, str) else list(path)
+        self.name = name
         self.declared: dict[str, str] = {}  # first-line prefix -> the test that runs it
         self.ran: list[str] = []  # prefixes run by the current test
 
     def blocks(self) -> list[str]:
-        with open(self.path, encoding="utf-8") as f:
-            return [textwrap.dedent(b) for b in _BLOCK.findall(f.read())]
+        found = []
+        for path in self.paths:
+            with open(path, encoding="utf-8") as f:
+                found += [textwrap.dedent(b) for b in _BLOCK.findall(f.read())]
+        return found
 
     def matching(self, prefix: str) -> list[str]:
         return [b for b in self.blocks() if first_line(b).startswith(prefix)]
@@ -80,3 +88,28 @@ class MarkdownBlocks:
             for b in self.blocks()
             if not any(first_line(b).startswith(p) for p in self.declared)
         ]
+
+
+def _ignore_python_tags(loader: Any, suffix: str, node: Any) -> None:
+    return None
+
+
+def site_pages(root: str) -> list[str]:
+    """The documentation site's pages (``docs/...``), in the order of ``mkdocs.yml``'s nav."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """mkdocs.yml names Python objects (``!!python/name:``); their values do not matter."""
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", _ignore_python_tags)
+    with open(os.path.join(root, "mkdocs.yml"), encoding="utf-8") as f:
+        nav = yaml.load(f, Loader=Loader)["nav"]
+
+    def walk(entries: Any) -> list[str]:
+        found = []
+        for entry in entries:
+            value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+            found += walk(value) if isinstance(value, list) else [value]
+        return found
+
+    return [os.path.join(root, "docs", page) for page in walk(nav)]

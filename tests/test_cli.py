@@ -415,9 +415,8 @@ def test_seed_everything_is_fits_seed_and_every_subcommand_takes_it(tmp_path, mo
 
 
 def _readme_cli_blocks() -> dict[str, str]:
-    """The CLI section's blocks of README.md by their first line (``# train.py`` ...)."""
-    text = _read(os.path.join(ROOT, "README.md"))
-    section = text.split("### CLI", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    """The blocks of the site's CLI page by their first line (``# train.py`` ...)."""
+    section = _read(os.path.join(ROOT, "docs", "cli.md"))
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", section, re.S | re.M)
     return {b.splitlines()[0].strip(): b for b in blocks}
 
@@ -429,7 +428,7 @@ def _readme_commands(block: str) -> list[str]:
 
 
 def test_the_readme_example_runs(tmp_path):
-    """Every command of the README's CLI section, as written and in order, in a folder
+    """Every command of the site's CLI page, as written and in order, in a folder
     holding its train.py and run.yaml (``python`` is this interpreter)."""
     blocks = _readme_cli_blocks()
     (tmp_path / "train.py").write_text(blocks["# train.py"])

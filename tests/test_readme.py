@@ -1,15 +1,17 @@
-"""The README's code runs as written, and does what the README says.
+"""The README's and the documentation site's code runs as written, and does what they say.
 
-Every ```python block of README.md is executed by a test here (in README order where the
-blocks build on each other, in a temporary folder, as a reader would), inside a real
-``Trainer`` where it is meant for one. Each test declares the blocks it runs with
-``@runs(<first line>, ...)`` and must run exactly those; the last test fails when a README
+Every ```python block of README.md and of the site's pages (``docs/``, in the nav's order,
+the Lightning guide aside: ``tests/test_guide.py`` runs that one) is executed by a test here
+(in reading order where the blocks build on each other, in a temporary folder, as a reader
+would), inside a real ``Trainer`` where it is meant for one. Each test declares the blocks it
+runs with ``@runs(<first line>, ...)`` and must run exactly those; the last test fails when a
 block is declared by no test.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import sys
 import textwrap
@@ -17,11 +19,9 @@ import textwrap
 import pytest
 import torch
 
-from tests.markdown_blocks import MarkdownBlocks, first_line
+from tests.docs_book import PAGE, ROOT
+from tests.markdown_blocks import first_line
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-
-PAGE = MarkdownBlocks(README, "README.md")
 runs, _run, _matching, _python_blocks = PAGE.runs, PAGE.run, PAGE.matching, PAGE.blocks
 _first_line = first_line
 _DECLARED, _RAN = PAGE.declared, PAGE.ran
@@ -432,12 +432,17 @@ def test_the_lightning_style_block_trains_and_leaves_the_weights_in_the_module(c
     assert injected_values(state.opt_state, "lr") == [1e-2 * 0.1]
 
 
-def test_every_readme_python_block_is_run_by_a_test():
+def test_every_python_block_of_the_book_is_run_by_a_test():
+    """Every block of the README and the site's pages is declared by a test here or in a
+    ``tests/test_docs_*.py`` (imported here, so that their declarations count when this file
+    runs alone)."""
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "test_docs_*.py"))):
+        importlib.import_module(os.path.basename(path)[: -len(".py")])
     blocks = _python_blocks()
-    assert blocks, "no ```python blocks found in README.md"
+    assert blocks, "no ```python blocks found in the README and the site's pages"
     unrun = [
         _first_line(b) for b in blocks if not any(_first_line(b).startswith(p) for p in _DECLARED)
     ]
-    assert not unrun, f"README python blocks that no test runs (add them to a @runs test): {unrun}"
+    assert not unrun, f"python blocks that no test runs (add them to a @runs test): {unrun}"
     for prefix in _DECLARED:
         assert len(_matching(prefix)) == 1, f"{prefix!r} matches {len(_matching(prefix))} blocks"
