@@ -55,6 +55,7 @@ __all__ = [
     "allocator_peak_bytes",
     "interleaved",
     "interleaved_calls",
+    "paired",
     "peak_live_bytes",
     "release_free_memory",
     "self_check",
@@ -144,6 +145,12 @@ def release_free_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """The median over rounds of ``a / b``: the ratio of two sides timed in the same rounds,
+    robust to a round a background job slowed down (it slows both sides of that round)."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def summary(values: list[float], scale: float = 1.0, digits: int = 1) -> str:

@@ -36,7 +36,6 @@ import contextlib
 import copy
 import io
 import logging
-import statistics
 import sys
 import time
 import warnings
@@ -145,10 +144,6 @@ def checked(run: Any, steps: int, name: str) -> Any:
     return side
 
 
-def paired(numerator: list[float], denominator: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
@@ -175,13 +170,9 @@ def main() -> None:
     times = _harness.interleaved_calls(sides, rounds)
     print(f"\n[one epoch] {rounds} rounds, median (min..max) per step over the epoch")
     for name, samples_s in times.items():
-        per_step = [t / n * 1e6 for t in samples_s]
-        print(
-            f"  {name:14s} {statistics.median(per_step):8.1f} us/step "
-            f"({min(per_step):.1f}..{max(per_step):.1f})"
-        )
-    ratio = paired(times["purestep"], times["lightning"])
-    task_ratio = paired(times["purestep_task"], times["lightning"])
+        print(f"  {name:14s} {_harness.summary(samples_s, 1e6 / n)} us/step")
+    ratio = _harness.paired(times["purestep"], times["lightning"])
+    task_ratio = _harness.paired(times["purestep_task"], times["lightning"])
     print(f"  purestep's loop is {1 / ratio:.2f}x lighter on the same LightningModule")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.quick:

@@ -8,6 +8,7 @@ stays short and links into the site.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -67,7 +68,7 @@ def test_the_state_figure_draws_every_field_and_leaf_of_a_real_run():
     state = figures.real_run_state()
     rows = figures.tree_rows(state)
     fields = [key for depth, key, _ in rows if depth == 1]
-    assert fields == [f.name for f in __import__("dataclasses").fields(state)]
+    assert fields == [f.name for f in dataclasses.fields(state)]
     leaves = {key: label for _, key, label in rows if label}
     for name, tensor in state.params.items():
         assert name in leaves
