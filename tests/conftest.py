@@ -1,5 +1,6 @@
 """Shared test settings: a single intra-op thread keeps timings and results stable."""
 
+import fcntl
 import os
 import sys
 
@@ -44,3 +45,19 @@ def _forget_recorded_seeds():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def cores_to_ourselves(tmp_path_factory):
+    """Holds a lock shared by every pytest-xdist worker of this run while a test module
+    that starts a local cluster (Ray) runs, so two clusters never share the two cores: the
+    suite runs with ``--dist loadfile``, and the other worker waits here for its turn."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' folders share this one
+    with open(root / "cores.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

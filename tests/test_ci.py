@@ -49,7 +49,8 @@ def readme_test_part() -> str:
 def test_ci_runs_the_readmes_exact_test_command():
     tests = readme_test_part()
     assert tests == (
-        "python -m pytest -q && ATEN_CPU_CAPABILITY=default python -m pytest -q -m bitwise"
+        "python -m pytest -q -n 2 --dist loadfile && "
+        "ATEN_CPU_CAPABILITY=default python -m pytest -q -n 2 --dist loadfile -m bitwise"
     )
     ci = [line.strip() for line in _read(".ci", "run").splitlines()]
     assert tests in ci, ".ci/run does not run the README's test command as one line"

@@ -47,6 +47,11 @@ HEAVY_THIRD_PARTY = (
     "torchmetrics",
     "sklearn",
     "hypothesis",
+    "ray",
+    "optuna",
+    "optuna_integration",
+    "transformers",
+    "datasets",
 )
 #: purestep's modules that only a run (or a rarely used name) needs
 RUN_TIME_MODULES = (
@@ -126,6 +131,16 @@ def test_import_purestep_and_its_packages_load_nothing_else(tmp_path):
         "purestep.loops.loggers",
     ]
     assert "torch" not in found["after"]
+
+
+def test_the_integrations_package_loads_none_of_the_frameworks_it_wraps(tmp_path):
+    """``purestep.loops.integrations`` names Ray's, Optuna's and Hugging Face's wrappers
+    but loads their libraries only when one of its names is first used."""
+    found = probe("import purestep, purestep.loops.integrations", tmp_path)
+    assert loaded(found, HEAVY_THIRD_PARTY) == []
+    assert loaded(found, HEAVY_TORCH) == []
+    ours = [m for m in found["after"] if m.startswith("purestep.loops.integrations.")]
+    assert ours == []
 
 
 def test_importing_the_command_line_loads_no_heavy_module(tmp_path):
