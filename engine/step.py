@@ -554,18 +554,22 @@ class TrainStep:
         else:
             wrt = {n: params[n].detach().requires_grad_() for n in self.trainable}
             bound_params = {**params, **wrt}
-        loss, metrics, new_buffers = self._loss_forward(bound_params, buffers, batch, key)
-        if loss is None:  # the loss function skipped the batch: no gradients
-            return {}, None, metrics, new_buffers
-        target = loss_for_grad(loss, loss_scale, divisor)
-        grads = scalar_gradients(target, tuple(wrt.values()))
+        with self._forward_scope(bound_params, buffers, key) as apply:
+            loss, metrics, new_buffers = self._call_loss(apply, batch, buffers)
+            if loss is None:  # the loss function skipped the batch: no gradients
+                return {}, None, metrics, new_buffers
+            target = loss_for_grad(loss, loss_scale, divisor)
+            grads = scalar_gradients(target, tuple(wrt.values()))
         return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 
-    def _loss_forward(self, bound_params, buffers, batch, key, around=_NO_CONTEXT):
-        """``(loss, detached metrics, new buffers)`` of the loss function on the template
-        bound to ``bound_params`` and ``buffers``, under the key's RNG scope, with grad
-        enabled and the precision's autocast; ``around`` is a context a strategy adds
-        inside them (FSDP's parameter gathering). The loss keeps its graph."""
+    @contextlib.contextmanager
+    def _forward_scope(self, bound_params, buffers, key, around=_NO_CONTEXT):
+        """The template bound to ``bound_params`` and ``buffers``, under the key's RNG
+        scope, with grad enabled and the precision's autocast; ``around`` is a context a
+        strategy adds inside them (FSDP's parameter gathering). Gradients are taken inside
+        it too: a forward pass that activation checkpointing (``torch.utils.checkpoint``,
+        ``gradient_checkpointing_enable()``) recomputes during the backward pass then runs
+        on the state's tensors, not on the template's own, and under the same key."""
         with (
             rng.scope(key, generators=self._rng_generators),
             self.binder.bind(bound_params, buffers, True) as apply,
@@ -573,14 +577,25 @@ class TrainStep:
             around,
             self.strategy.precision.autocast(),
         ):
-            try:
-                out = self.loss_fn(apply, batch)
-            except Exception as exc:
-                user_errors.annotate(exc, self.loss_fn, self._stage, batch)
-                raise
-            loss, metrics = split_output(out, "loss_fn")
-            new_buffers = self.binder.collect_buffers() if buffers else buffers
+            yield apply
+
+    def _call_loss(self, apply, batch, buffers):
+        """``(loss, detached metrics, new buffers)`` of the loss function on ``apply``
+        (inside ``_forward_scope``). The loss keeps its graph."""
+        try:
+            out = self.loss_fn(apply, batch)
+        except Exception as exc:
+            user_errors.annotate(exc, self.loss_fn, self._stage, batch)
+            raise
+        loss, metrics = split_output(out, "loss_fn")
+        new_buffers = self.binder.collect_buffers() if buffers else buffers
         return loss, detached(metrics), new_buffers
+
+    def _loss_forward(self, bound_params, buffers, batch, key, around=_NO_CONTEXT):
+        """``(loss, detached metrics, new buffers)`` of the loss function inside
+        ``_forward_scope``, for callers that take no gradients there."""
+        with self._forward_scope(bound_params, buffers, key, around) as apply:
+            return self._call_loss(apply, batch, buffers)
 
     def _grad_func(self, params, buffers, batch, key, loss_scale, divisor):
         frozen = {n: params[n] for n in self._frozen}

@@ -534,11 +534,10 @@ class FSDPTrainStep(TrainStep):
         wrt = {n: local[n].detach().requires_grad_() for n in trainable}
         sources = {**{n: t.detach() for n, t in local.items()}, **wrt}
         gathering = self.units.gathering(params, sources, True)
-        loss, metrics, new_buffers = self._loss_forward(
-            self._placeholders, buffers, batch, key, gathering
-        )
-        target = loss_for_grad(loss, loss_scale, divisor)
-        grads = scalar_gradients(target, tuple(wrt.values()))
+        with self._forward_scope(self._placeholders, buffers, key, gathering) as apply:
+            loss, metrics, new_buffers = self._call_loss(apply, batch, buffers)
+            target = loss_for_grad(loss, loss_scale, divisor)
+            grads = scalar_gradients(target, tuple(wrt.values()))
         changed = modified_in_place(local, versions)
         if changed:
             raise RuntimeError(f"the forward pass modified parameters {changed} in place")
