@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 from .lazy import exports
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
-    from . import checkpoint, compile, metrics, optim, per_sample, rng, tree
+    from . import checkpoint, compile, differentiable, metrics, optim, per_sample, rng, tree
     from .bind import Binder, canonical_names
     from .builders import eval_step, predict_step, train_step
+    from .differentiable import DifferentiableTrainStep
     from .eval_steps import EvalStep, PredictStep
     from .export import to_module
     from .gradients import owned_gradients
@@ -38,6 +39,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
             "bind",
             "checkpoint",
             "compile",
+            "differentiable",
             "export",
             "loss_scale",
             "metrics",
@@ -53,6 +55,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     },
     **{n: (".bind", n) for n in ("Binder", "canonical_names")},
     "to_module": (".export", "to_module"),
+    "DifferentiableTrainStep": (".differentiable", "DifferentiableTrainStep"),
     **{n: (".loss_scale", n) for n in ("DynamicLossScale", "LossScaleState")},
     **{n: (".per_sample", n) for n in ("PerSampleStep", "per_sample_step")},
     **{
@@ -70,6 +73,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = [
     "Binder",
+    "DifferentiableTrainStep",
     "DynamicLossScale",
     "EvalStep",
     "Gradients",
@@ -88,6 +92,7 @@ __all__ = [
     "canonical_names",
     "checkpoint",
     "compile",
+    "differentiable",
     "eval_step",
     "field",
     "init",

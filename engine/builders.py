@@ -21,6 +21,7 @@ from .compile import (
     compile_options,
     compiled,
 )
+from .differentiable import DifferentiableTrainStep, check_differentiable
 from .eval_steps import EvalStep, PredictStep, _default_predict
 from .state import Progress
 from .step import LossFn, TrainStep
@@ -41,6 +42,7 @@ def train_step(
     allow_unused: bool = False,
     grad_norm: bool = True,
     compile: Any = False,
+    differentiable: bool = False,
 ) -> TrainStep:
     """Build a pure train step ``step(state, batch) -> (new_state, StepOutput)``.
 
@@ -53,7 +55,11 @@ def train_step(
     parameters the loss does not use as zero instead of raising (both ``grad`` modes).
     ``grad_norm``: report the global gradient norm in the output. ``compile``: True, a
     ``engine.compile.CompileOptions`` or a dict of its fields compiles the whole step
-    (``engine.compile``); False (the default) runs it eagerly.
+    (``engine.compile``); False (the default) runs it eagerly. ``differentiable``: the
+    update keeps its autograd graph, so ``torch.autograd.grad`` through unrolled steps gives
+    gradients with respect to the initial parameters and tensor hyper-parameters
+    (``engine.differentiable``; refuses ``compile``, ``donate`` and strategies it cannot
+    differentiate through, with a ``ValueError`` saying why).
     """
     options = compile_options(compile)
     settings = dict(
@@ -63,6 +69,11 @@ def train_step(
         allow_unused=allow_unused,
         grad_norm=grad_norm,
     )
+    if differentiable is not False:
+        if differentiable is not True:
+            raise TypeError(f"differentiable must be a bool, got {differentiable!r}")
+        check_differentiable(strategy=strategy, donate=donate, compiled=options is not None)
+        return DifferentiableTrainStep(model, loss_fn, optimizer, strategy=strategy, **settings)
     if strategy is not None:
         built = strategy.build_train_step(model, loss_fn, optimizer, **settings)
         if built is not NotImplemented:

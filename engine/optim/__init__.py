@@ -18,7 +18,8 @@ momenta, after ``k`` steps, bitwise torch's) or, for ``ReduceLROnPlateau``, the 
 States are ``@struct`` pytrees holding tensors and plain int counters. Nothing here modifies
 its inputs except under ``donating()``, which lets the built-in transforms reuse the
 storage of the updates, their state and the params (the inputs are then consumed), or
-``owning_updates()``, which lets them overwrite the incoming updates only.
+``owning_updates()``, which lets them overwrite the incoming updates only. Under
+``differentiable()`` they keep the update's autograd graph (``engine.differentiable``).
 """
 
 from . import schedules
@@ -33,8 +34,10 @@ from .base import (
     Updates,
     apply_updates,
     chain,
+    differentiable,
     donating,
     identity,
+    is_differentiable,
     is_donating,
     owning_updates,
     owns_updates,
@@ -91,6 +94,7 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_value",
     "decay_mask",
+    "differentiable",
     "donating",
     "find_injected",
     "from_torch",
@@ -99,6 +103,7 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "injected_values",
+    "is_differentiable",
     "is_donating",
     "owning_updates",
     "owns_updates",

@@ -32,7 +32,7 @@ def scalar(name: str, value: Any) -> float:
             raise ValueError(
                 f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
             )
-        return float(value)
+        return float(value.detach())  # the value only (no warning for one requiring grad)
     if isinstance(value, numbers.Real):
         return float(value)
     raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -110,6 +110,46 @@ def learning_rate(lr: Any) -> Schedule:
         return lambda count: float(lr(count))
     value = check("learning rate", lr, low=0.0)
     return lambda count: value
+
+
+# --------------------------------------------------------------------------- tangents
+#
+# In differentiable mode (``base.differentiable()``) a hyper-parameter given as a tensor that
+# requires grad must get a gradient, while the update's values stay bitwise those computed
+# with the Python float (torch's fused ``add(alpha=)`` / ``addcdiv(value=)`` take Python
+# numbers only, and ``p + lr * g`` rounds differently from them). So the kernels compute the
+# values as always, with floats, and add ``t * partial`` where ``t = h - h.detach()`` is an
+# exact zero whose gradient is one: the sum has the values of the float computation and the
+# derivative ``partial`` with respect to ``h``. (``x + 0`` is ``x``, but for ``-0.0``, which
+# becomes ``+0.0``: equal under ``torch.equal``; an infinite partial makes the sum NaN.)
+
+
+def hyper_tensors(**values: Any) -> dict[str, Tensor]:
+    """The arguments given as tensors, by name: the candidates for hypergradients."""
+    return {n: v for n, v in values.items() if isinstance(v, Tensor)}
+
+
+def live(hyper: Mapping[str, Tensor], differentiable: bool) -> dict[str, Tensor]:
+    """The hyper-parameter tensors to differentiate: in differentiable mode, those that
+    require grad (empty otherwise, and then the kernels run exactly as they always do)."""
+    if not hyper or not differentiable:
+        return {}
+    return {n: t for n, t in hyper.items() if t.requires_grad}
+
+
+def tangent(expr: Any) -> Tensor | None:
+    """``expr - expr.detach()``: zero, with the gradient of ``expr`` (None for a float)."""
+    return expr - expr.detach() if isinstance(expr, Tensor) else None
+
+
+def with_tangent(values: list[Tensor], t: Tensor | None, partials: list[Tensor] | None) -> list:
+    """``values + t * partials`` (``values + t`` when ``partials`` is None): ``values``'
+    numbers, with ``partials`` as their derivative with respect to what ``t`` tracks."""
+    if t is None:
+        return values
+    if partials is None:
+        return [v + t for v in values]
+    return [torch.addcmul(v, d, t) for v, d in zip(values, partials)]  # one op, not two
 
 
 # --------------------------------------------------------------------------- dicts and lists

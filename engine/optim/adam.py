@@ -9,7 +9,9 @@ adding it to the params rounds differently from the fused op, so that path agree
 torch to about one ulp per step, not bitwise.
 
 Under ``donating()`` the moments and params are updated in place; the only extra memory is
-the denominator temporary, as in torch.
+the denominator temporary, as in torch. Under ``differentiable()`` nothing is written in
+place and ``lr``, ``betas``, ``eps`` and ``weight_decay`` given as tensors that require grad
+get their gradient (``_util.with_tangent``), the values unchanged.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ import torch
 
 from purestep.engine.tree import struct
 
-from . import _util
-from .base import GradientTransformation, Params, Updates, is_donating, owns_updates
+from . import _per_tensor, _util
+from .base import (
+    GradientTransformation,
+    Params,
+    Updates,
+    is_differentiable,
+    is_donating,
+    owns_updates,
+)
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -81,6 +90,9 @@ def _adam(
     lr_at = _util.learning_rate(lr)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+    hyper = _util.hyper_tensors(
+        lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay
+    )
     beta1 = _util.check("beta1 (betas[0])", betas[0], low=0.0, high=1.0, high_open=True)
     beta2 = _util.check("beta2 (betas[1])", betas[1], low=0.0, high=1.0, high_open=True)
     eps = _util.check("eps", eps, low=0.0)
@@ -101,6 +113,10 @@ def _adam(
     ) -> tuple:
         donate = is_donating()
         owned = owns_updates()
+        diff = is_differentiable()
+        ops = _per_tensor.ops(diff)  # ``torch``, or per-tensor ops keeping a lean graph
+        live = _util.live(hyper, diff)  # hyper-parameters to differentiate (usually none)
+        p_in, m_in, v_in = p, m, v
         if maximize:
             g = _util.neg(g, owned)
             owned = True
@@ -108,57 +124,94 @@ def _adam(
             if decoupled:
                 if fused:
                     if donate:
-                        torch._foreach_mul_(p, 1 - lr * weight_decay)
+                        ops._foreach_mul_(p, 1 - lr * weight_decay)
                     else:
-                        p = torch._foreach_mul(p, 1 - lr * weight_decay)
+                        p = ops._foreach_mul(p, 1 - lr * weight_decay)
             elif owned:
-                torch._foreach_add_(g, p, alpha=weight_decay)
+                ops._foreach_add_(g, p, alpha=weight_decay)
             else:
-                g = torch._foreach_add(g, p, alpha=weight_decay)
+                g = ops._foreach_add(g, p, alpha=weight_decay)
                 owned = True
+        if live:
+            lr_x, wd_x = live.get("lr", lr), live.get("weight_decay", weight_decay)
+            shrink = None  # the tangent of AdamW's factor ``1 - lr * weight_decay``
+            if decoupled and (weight_decay != 0 or "weight_decay" in live):
+                shrink = _util.tangent(1 - lr_x * wd_x)
+                if fused:
+                    p = _util.with_tangent(p, shrink, p_in)
+            elif not decoupled:
+                g = _util.with_tangent(g, _util.tangent(live.get("weight_decay")), p)
         if donate:
-            torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
+            ops._foreach_lerp_(m, g, 1 - beta1)
+            ops._foreach_mul_(v, beta2)
         else:
-            m = torch._foreach_lerp(m, g, 1 - beta1)
-            v = torch._foreach_mul(v, beta2)
-        torch._foreach_addcmul_(v, g, g, 1 - beta2)
+            m = ops._foreach_lerp(m, g, 1 - beta1)
+            v = ops._foreach_mul(v, beta2)
+        ops._foreach_addcmul_(v, g, g, 1 - beta2)
+        if live:
+            b1 = live.get("beta1")
+            if b1 is not None:
+                m = _util.with_tangent(m, _util.tangent(1 - b1), ops._foreach_sub(g, m_in))
+            if "beta2" in live:
+                spread = ops._foreach_sub(v_in, ops._foreach_mul(g, g))
+                v = _util.with_tangent(v, _util.tangent(live["beta2"]), spread)
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
         step_size = (lr / bias_correction1) * -1
         bias_correction2_sqrt = bias_correction2**0.5
         if amsgrad:
             if donate:
-                torch._foreach_maximum_(vmax, v)
+                ops._foreach_maximum_(vmax, v)
             else:
-                vmax = torch._foreach_maximum(vmax, v)
+                vmax = ops._foreach_maximum(vmax, v)
         source = vmax if amsgrad else v
-        if owned:
+        if owned and not diff:
             # The gradients are ours: reuse them for the denominator (no new allocation).
-            torch._foreach_copy_(g, source)
-            torch._foreach_sqrt_(g)
+            ops._foreach_copy_(g, source)
+            ops._foreach_sqrt_(g)
             denom = g
         else:
-            denom = torch._foreach_sqrt(source)
+            denom = ops._foreach_sqrt(source)
         del g
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
+        if diff:  # out of place: sqrt's backward reads its result
+            root = denom
+            denom = ops._foreach_div(denom, bias_correction2_sqrt)
+            if "beta2" in live:
+                inverse = 1 / (1 - live["beta2"] ** t) ** 0.5
+                denom = _util.with_tangent(denom, _util.tangent(inverse), root)
+            denom = ops._foreach_add(denom, eps)
+            denom = _util.with_tangent(denom, _util.tangent(live.get("eps")), None)
+        else:
+            ops._foreach_div_(denom, bias_correction2_sqrt)
+            ops._foreach_add_(denom, eps)
+        step_tangent = None
+        if live and ("lr" in live or "beta1" in live):
+            lr_x, b1_x = live.get("lr", lr), live.get("beta1", beta1)
+            step_tangent = _util.tangent(-(lr_x / (1 - b1_x**t)))
         if fused:
-            if donate or (decoupled and weight_decay != 0):
-                torch._foreach_addcdiv_(p, m, denom, step_size)
+            if donate or (decoupled and weight_decay != 0 and not diff):
+                ops._foreach_addcdiv_(p, m, denom, step_size)
                 out = p
             else:
-                out = torch._foreach_addcdiv(p, m, denom, step_size)
+                out = ops._foreach_addcdiv(p, m, denom, step_size)
+            if step_tangent is not None:
+                out = _util.with_tangent(out, step_tangent, ops._foreach_div(m, denom))
         else:
-            out = torch._foreach_div(m, denom)
+            out = ops._foreach_div(m, denom)
             del denom
-            torch._foreach_mul_(out, step_size)
+            if diff:
+                ratio = out
+                out = _util.with_tangent(ops._foreach_mul(out, step_size), step_tangent, ratio)
+            else:
+                ops._foreach_mul_(out, step_size)
             if decoupled and weight_decay != 0:
                 # ``p * (1 - lr * wd) - p`` is exact, so the decay matches torch's rounded
                 # factor (adding ``-lr * wd * p`` instead drifts by ~1e-8 relative per step).
-                decay = torch._foreach_mul(p, 1 - lr * weight_decay)
-                torch._foreach_sub_(decay, p)
-                torch._foreach_add_(out, decay)
+                decay = ops._foreach_mul(p, 1 - lr * weight_decay)
+                ops._foreach_sub_(decay, p)
+                ops._foreach_add_(out, decay)
+            if live and shrink is not None:
+                out = _util.with_tangent(out, shrink, p)
         return out, m, v, vmax
 
     def run(grads: Updates, state: AdamState, params: Params | None, fused: bool) -> tuple:

@@ -37,8 +37,10 @@ __all__ = [
     "Updates",
     "apply_updates",
     "chain",
+    "differentiable",
     "donating",
     "identity",
+    "is_differentiable",
     "is_donating",
     "owning_updates",
     "owns_updates",
@@ -124,6 +126,56 @@ def owning_updates(enabled: bool = True) -> contextlib.AbstractContextManager[No
 def owns_updates() -> bool:
     """Whether the incoming updates may be overwritten (``owning_updates()`` or donating)."""
     return _OWNS_UPDATES.get() or _DONATING.get()
+
+
+_DIFFERENTIABLE: ContextVar[bool] = ContextVar("purestep_optim_differentiable", default=False)
+
+
+class _Differentiable:
+    """``differentiable()``: sets the differentiable flag and clears donation and owned
+    updates for its block (a class, like ``_Setting``, entered once per step)."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self) -> None:
+        self._tokens: tuple = ()
+
+    def __enter__(self) -> None:
+        self._tokens = (
+            _DIFFERENTIABLE.set(True),
+            _DONATING.set(False),
+            _OWNS_UPDATES.set(False),
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        diff, donate, owns = self._tokens
+        _OWNS_UPDATES.reset(owns)
+        _DONATING.reset(donate)
+        _DIFFERENTIABLE.reset(diff)
+
+
+def differentiable() -> contextlib.AbstractContextManager[None]:
+    """Within this block the built-in transforms keep the autograd graph of their update.
+
+    Nothing is written in place (no donation, no owned updates, out-of-place temporaries
+    where an in-place op would overwrite a value autograd saved), the named optimizers run
+    their ``torch._foreach_*`` ops per tensor (whose autograd nodes save less:
+    ``_per_tensor``), and ``sgd``, ``adam`` and
+    ``adamw`` hyper-parameters given as tensors that require grad (directly, or stored by
+    ``inject_hyperparams``) get their gradient. The values computed are bitwise those of
+    the same step outside the block (see ``_util.with_tangent``).
+    """
+    return _Differentiable()
+
+
+def is_differentiable() -> bool:
+    """Whether the current context keeps the update's graph (``differentiable()``).
+
+    False while ``torch.compile`` traces (a differentiable step is never compiled, and
+    dynamo cannot read a ``ContextVar``: the compiled step's graph stays as it was)."""
+    if torch.compiler.is_compiling():
+        return False
+    return _DIFFERENTIABLE.get()
 
 
 # --------------------------------------------------------------------------- applying

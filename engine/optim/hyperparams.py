@@ -16,6 +16,11 @@ transform runs, so ``inject_hyperparams(adam)`` keeps Adam's bitwise parity with
 Injected: floats, one-element tensors, schedules (callables) and tuples / lists of these.
 Ints, bools, strings, None, transforms and names listed in ``static_args`` are passed to
 the factory unchanged.
+
+**Differentiable mode.** Under ``optim.differentiable()`` a stored hyper-parameter that is a
+tensor requiring grad is handed to the factory as that tensor (not its float), so
+``sgd``/``adam``/``adamw`` differentiate the update with respect to it, and the next state
+stores it with its graph; the transform is then built anew for each step.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from purestep.engine.tree import field, struct
 
-from .base import GradientTransformation, Params, Updates, step
+from .base import GradientTransformation, Params, Updates, is_differentiable, step
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -118,6 +123,11 @@ def inject_hyperparams(
             return values, stored
 
         def build(values: dict[str, Any]) -> GradientTransformation:
+            if is_differentiable() and any(_holds_tensor(v) for v in values.values()):
+                # Tensors that require grad (see ``_one``): each step builds its own
+                # transform around this step's tensors, never a cached one around others.
+                call = inspect.BoundArguments(sig, {**bound.arguments, **values})
+                return factory(*call.args, **call.kwargs)
             key = tuple(values.items())
             cached_key, tx = cache[0]
             if cached_key != key:
@@ -155,4 +165,12 @@ def _one(spec: Any, count: int, current: Any) -> tuple[float, Any]:
     if current is None:
         value = float(spec)
         return value, _as_tensor(value)
+    if isinstance(current, Tensor) and current.requires_grad and is_differentiable():
+        return current, current  # the factory gets the tensor, to differentiate it
     return float(current), current
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, Tensor) for v in value)
+    return isinstance(value, Tensor)

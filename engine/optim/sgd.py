@@ -9,7 +9,9 @@ with torch to about one ulp per step, not bitwise.
 The signature is torch's: ``sgd(lr=1e-3, momentum=0, dampening=0, weight_decay=0,
 nesterov=False, *, maximize=False)``. Under ``owning_updates()`` the maximize and
 weight-decay steps write into the gradients instead of new temporaries; an owned gradient
-never becomes the momentum buffer (only a donated one does).
+never becomes the momentum buffer (only a donated one does). Under ``differentiable()``
+nothing is written in place and tensor hyper-parameters that require grad get their
+gradient (``_util.with_tangent``), the values unchanged.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ import torch
 
 from purestep.engine.tree import struct
 
-from . import _util
-from .base import GradientTransformation, Params, Updates, is_donating, owns_updates
+from . import _per_tensor, _util
+from .base import (
+    GradientTransformation,
+    Params,
+    Updates,
+    is_differentiable,
+    is_donating,
+    owns_updates,
+)
 
 __all__ = ["SGDState", "sgd"]
 
@@ -48,7 +57,12 @@ def sgd(
     maximize: bool = False,
 ) -> GradientTransformation:
     """SGD as ``torch.optim.SGD`` (same argument order and defaults); ``lr`` may be a
-    schedule of the step count."""
+    schedule of the step count. In differentiable mode (``optim.differentiable()``) ``lr``,
+    ``momentum``, ``dampening`` and ``weight_decay`` given as tensors that require grad get
+    their gradient; the values stay bitwise those of the floats."""
+    hyper = _util.hyper_tensors(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay
+    )
     lr_at = _util.learning_rate(lr)
     momentum = _util.check("momentum", momentum, low=0.0)
     dampening = _util.scalar("dampening", dampening)
@@ -65,47 +79,65 @@ def sgd(
         donate = is_donating()
         owned = owns_updates()  # may ``g`` be written in place?
         ours = donate  # may ``g`` become state (the momentum buffer)? Only our own temporaries
+        diff = is_differentiable()
+        ops = _per_tensor.ops(diff)  # ``torch``, or per-tensor ops keeping a lean graph
+        live = _util.live(hyper, diff)  # hyper-parameters to differentiate (usually none)
+        if live and "momentum" in live and momentum == 0:
+            raise ValueError(
+                "sgd with momentum=0 keeps no momentum buffer, so momentum has no gradient: "
+                "start it from a value > 0 to differentiate with respect to it"
+            )
         if maximize:
             if owned:
-                torch._foreach_neg_(g)
+                ops._foreach_neg_(g)
             else:
-                g = torch._foreach_neg(g)
+                g = ops._foreach_neg(g)
                 owned = ours = True
         if weight_decay != 0:
             if owned:
-                torch._foreach_add_(g, p, alpha=weight_decay)
+                ops._foreach_add_(g, p, alpha=weight_decay)
             else:
-                g = torch._foreach_add(g, p, alpha=weight_decay)
+                g = ops._foreach_add(g, p, alpha=weight_decay)
                 owned = ours = True
+        if live:
+            g = _util.with_tangent(g, _util.tangent(live.get("weight_decay")), p)
         d_is_state = False
         if momentum != 0:
+            old_buf = buf
             if first:
                 # torch: the first buffer is a copy of the gradient (no dampening)
                 buf = g if ours and not nesterov else [t.clone() for t in g]
             elif donate:
-                torch._foreach_mul_(buf, momentum)
-                torch._foreach_add_(buf, g, alpha=1 - dampening)
+                ops._foreach_mul_(buf, momentum)
+                ops._foreach_add_(buf, g, alpha=1 - dampening)
             else:
-                buf = torch._foreach_mul(buf, momentum)
-                torch._foreach_add_(buf, g, alpha=1 - dampening)
+                buf = ops._foreach_mul(buf, momentum)
+                ops._foreach_add_(buf, g, alpha=1 - dampening)
+            if live and not first:
+                buf = _util.with_tangent(buf, _util.tangent(live.get("momentum")), old_buf)
+                damp = live.get("dampening")
+                buf = _util.with_tangent(buf, None if damp is None else _util.tangent(1 - damp), g)
             if nesterov:
-                if owned:
-                    torch._foreach_add_(g, buf, alpha=momentum)
+                if owned and not diff:
+                    ops._foreach_add_(g, buf, alpha=momentum)
                 else:
-                    g = torch._foreach_add(g, buf, alpha=momentum)
+                    g = ops._foreach_add(g, buf, alpha=momentum)
                     owned = True
+                    if live:
+                        g = _util.with_tangent(g, _util.tangent(live.get("momentum")), buf)
             else:
                 g = buf
                 d_is_state = True
+        lr_tangent = _util.tangent(-live["lr"]) if "lr" in live else None
         if fused:
             if donate:
-                torch._foreach_add_(p, g, alpha=-lr)
+                ops._foreach_add_(p, g, alpha=-lr)
                 return p, buf
-            return torch._foreach_add(p, g, alpha=-lr), buf
-        if owned and not d_is_state:
-            torch._foreach_mul_(g, -lr)
+            return _util.with_tangent(ops._foreach_add(p, g, alpha=-lr), lr_tangent, g), buf
+        if owned and not d_is_state and not diff:
+            ops._foreach_mul_(g, -lr)
             return g, buf
-        return torch._foreach_mul(g, -lr), buf
+        return _util.with_tangent(ops._foreach_mul(g, -lr), lr_tangent, g), buf
 
     def run(grads: Updates, state: SGDState, params: Params | None, fused: bool) -> tuple:
         names = list(grads)
