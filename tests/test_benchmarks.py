@@ -41,6 +41,9 @@ EXPECTED = {
     "char_lm.py": {"ratio_eager", "ratio_compiled"},
     "lightning_loop.py": {"ratio", "task_ratio"},
     "cli_startup.py": {"help_s", "torch_import_s", "overhead_s", "ratio"},
+    "hf_fit.py": {"ratio"},
+    "sweep.py": {"speedup", "speedup_grouped"},
+    "unroll.py": {"meta_time_ratio", "meta_mem_ratio", "hyper_time_ratio", "hyper_mem_ratio"},
     "compile_step.py": {
         "ratio_small",
         "ratio_small_vs_compiled",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -196,7 +197,13 @@ def test_fit_help_builds_the_parser_without_the_run_time_modules(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "package", ["purestep.engine", "purestep.loops.callbacks", "purestep.loops.loggers"]
+    "package",
+    [
+        "purestep.engine",
+        "purestep.loops.callbacks",
+        "purestep.loops.loggers",
+        "purestep.loops.integrations",
+    ],
 )
 def test_every_public_name_resolves_to_its_defining_module(package, tmp_path):
     """The lazy packages hand out exactly the objects the eager ``from .x import y`` did,
@@ -228,3 +235,22 @@ def test_every_public_name_resolves_to_its_defining_module(package, tmp_path):
     )
     assert found["bad"] == [] and found["count"] > 5
     assert "no_such_name" in found["error"]
+
+
+@pytest.mark.parametrize(
+    "name, library, extra",
+    [
+        ("ray_train_report", "ray", "ray"),
+        ("OptunaPruning", "optuna", "optuna"),
+        ("hf_loader", "datasets", "hf"),
+    ],
+)
+def test_a_missing_framework_names_the_extra_to_install(name, library, extra, monkeypatch):
+    import purestep.loops.integrations as integrations
+
+    for module in [m for m in sys.modules if m.startswith("purestep.loops.integrations.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.delitem(vars(integrations), name, raising=False)
+    monkeypatch.setitem(sys.modules, library, None)  # `import library` now fails
+    with pytest.raises(ModuleNotFoundError, match=re.escape(f'pip install "purestep[{extra}]"')):
+        getattr(integrations, name)

@@ -12,8 +12,28 @@ from typing import Any
 
 from purestep.engine.lazy import exports
 
+#: each module's public names
+_NAMES: dict[str, tuple[str, ...]] = {
+    ".ray_train": (
+        "CHECKPOINT_FILE",
+        "RayReporter",
+        "RayTrainReport",
+        "SaveForReport",
+        "ckpt_path_from",
+        "ray_ckpt_path",
+        "ray_train_report",
+    ),
+    ".ray_tune": ("TuneReportCheckpoint", "tune_ckpt_path", "tune_report"),
+    ".optuna_pruning": ("OptunaPruning", "original_trial_number", "resume_path", "trial_run_dir"),
+    ".sweep": ("MemberPruning", "SweepResult", "prune_members", "sweep"),
+    ".hf_models": ("HFTask", "block_classes", "hf_loss", "save_pretrained"),
+    ".hf_datasets": ("HFRows", "HFStream", "HFStreamData", "hf_loader"),
+}
+
 #: ``name -> (module, attribute)``.
-_LAZY: dict[str, tuple[str, str | None]] = {}
+_LAZY: dict[str, tuple[str, str | None]] = {
+    name: (module, name) for module, names in _NAMES.items() for name in names
+}
 
 #: the extra each module's outside libraries come with (``pip install "purestep[extra]"``)
 EXTRAS: dict[str, str] = {
