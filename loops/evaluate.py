@@ -17,10 +17,14 @@ the validations of one fit and does not count sanity-check batches.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
+from purestep.engine import metrics, tree
 from purestep.engine.state import TrainState
 from purestep.engine.step import batch_size
 
@@ -49,6 +53,53 @@ _ACTIONS = {
 
 def _counter_key(fn: str, stage: str, dataloader_idx: int) -> str:
     return f"{fn}/{_event_prefix(stage)}/{dataloader_idx}"
+
+
+def _member_count(metric: metrics.Metric) -> int:
+    """K when every tensor of ``metric`` has one leading member axis of size K > 1 (an
+    ensemble step's metric, computed under vmap), else 0 (an ordinary, 0-d metric)."""
+    sizes = {
+        t.shape[0] if t.dim() == 1 else -1
+        for t in tree.leaves(metric)
+        if isinstance(t, torch.Tensor)
+    }
+    return next(iter(sizes)) if len(sizes) == 1 and min(sizes) > 1 else 0
+
+
+def per_member(values: Any) -> Any:
+    """An eval step's values with every ensemble metric split into its members.
+
+    An ``engine.metrics`` metric whose tensors carry a member axis ``[K]`` (what an
+    ensemble's eval step returns for ``metrics.Accuracy.of(...)`` and the like) becomes
+    ``<name>/<i>``, member ``i``'s metric, and ``<name>``, the members merged (with equal
+    counts per member, as when all see the same batch: their mean), each accumulated exactly
+    over the evaluation. It is how a ``[K]`` tensor is logged (``aggregate.resolve``: each
+    member under ``<name>/<i>``, the mean under ``<name>``, the members off the progress
+    bar). Other values pass unchanged.
+    """
+    if not isinstance(values, Mapping):
+        return values
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        logged = value if isinstance(value, aggregate.Logged) else None
+        raw = logged.value if logged is not None else value
+        k = _member_count(raw) if isinstance(raw, metrics.Metric) else 0
+        if not k:
+            out[name] = value
+            continue
+        members = [
+            tree.map(lambda t, i=i: t[i] if isinstance(t, torch.Tensor) else t, raw)
+            for i in range(k)
+        ]
+        pooled = functools.reduce(lambda a, b: a.merge(b), members)
+        if logged is None:
+            out[name] = pooled
+            out.update({f"{name}/{i}": m for i, m in enumerate(members)})
+        else:
+            out[name] = logged.replace(value=pooled)
+            quiet = logged.replace(prog_bar=False) if logged.prog_bar else logged
+            out.update({f"{name}/{i}": quiet.replace(value=m) for i, m in enumerate(members)})
+    return out
 
 
 def run_evaluation(
@@ -120,7 +171,7 @@ def run_evaluation(
                 state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
                 with driver.evaluation_mode(), section(prof, step_action):
                     out = step(state, batch, index=batch_idx)
-                resolved = aggregate.resolve(out, stage)
+                resolved = aggregate.resolve(per_member(out), stage)
                 if any(spec.kept for spec, _ in resolved.values()):
                     state, resolved = _keep(state, resolved)
                 acc = aggregate.accumulate(acc, resolved, batch_size(batch))

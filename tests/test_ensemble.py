@@ -330,6 +330,65 @@ def test_lr_sweep_matches_separate_runs():
         assert float(m.opt_state.hyperparams["lr"]) == lr
 
 
+def _counting(tx):
+    """``tx`` with a count of its ``update`` / ``apply`` calls (its state unchanged)."""
+    calls = []
+
+    def update(*args, **kwargs):
+        calls.append("update")
+        return tx.update(*args, **kwargs)
+
+    def apply(*args, **kwargs):
+        calls.append("apply")
+        return tx.apply(*args, **kwargs)
+
+    return optim.GradientTransformation(tx.init, update, apply), calls
+
+
+def test_identical_members_take_the_single_call_path():
+    """Equal values in every member: one call of the optimizer itself per step (the
+    arithmetic of a separate run)."""
+    injected = optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=0.9, weight_decay=1e-4)
+    opt, calls = _counting(injected)
+    net, data = mlp(), batches(3)
+    ens = hardware.ensemble(K, hparams={"lr": [0.05] * K}, check_optimizer=False)
+    train(
+        engine.train_step(net, loss_fn, opt, strategy=ens),
+        engine.init(net, opt, seed=0, strategy=ens),
+        data,
+    )
+    assert calls == ["apply"] * len(data)
+
+
+def test_distinct_members_are_grouped_by_their_values():
+    """Distinct values: one call per distinct set of values (two here, for three members),
+    every step."""
+    opt, calls = _counting(optim.inject_hyperparams(optim.adam)(lr=1e-3))
+    net, data = mlp(), batches(2)
+    ens = hardware.ensemble(K, hparams={"lr": [1e-3, 1e-2, 1e-3]}, check_optimizer=False)
+    train(
+        engine.train_step(net, loss_fn, opt, strategy=ens),
+        engine.init(net, opt, seed=0, strategy=ens),
+        data,
+    )
+    assert calls == ["apply"] * (2 * len(data))
+
+
+def test_a_scheduled_lr_with_per_member_momenta_follows_the_schedule():
+    """A scheduled lr and per-member momenta: each member follows the schedule as its
+    separate run does."""
+    schedule = optim.schedules.linear(0.1, 0.0, 10)
+    opt = optim.inject_hyperparams(optim.sgd)(lr=schedule, momentum=0.9)
+    net, data = mlp(), batches(3)
+    ens = hardware.ensemble(2, hparams={"momentum": [0.9, 0.5]})
+    start = engine.init(net, opt, seed=0, strategy=ens)
+    state, _ = train(engine.train_step(net, loss_fn, opt, strategy=ens), start, data)
+    for i, m in enumerate([0.9, 0.5]):
+        solo_opt = optim.inject_hyperparams(optim.sgd)(lr=schedule, momentum=m)
+        solo, _ = train(engine.train_step(net, loss_fn, solo_opt), hardware.member(start, i), data)
+        assert_close(hardware.member(state, i), solo)
+
+
 def test_the_search_for_injected_hyperparameters_runs_once_per_step(monkeypatch):
     """A step whose optimizer keeps no injected hyper-parameters skips the grouped path after
     its first call (nothing to group); one that keeps them still groups its members."""
@@ -723,3 +782,68 @@ def test_other_bad_input():
         step(engine.init(net, opt), batches(1)[0])
     with pytest.raises(ValueError, match="the state has 3 members"):
         step(engine.init(net, opt, strategy=hardware.ensemble(3)), batches(1)[0])
+
+
+# --------------------------------------------------------------------------- Trainer validation
+
+
+def accuracy_loss(apply, batch):
+    """examples/digits.py's loss_fn: cross-entropy and an exactly merged accuracy."""
+    x, y = batch
+    logits = apply(x)
+    return F.cross_entropy(logits, y), {"acc": metrics.Accuracy.of(logits, y)}
+
+
+def test_trainer_validation_reports_each_members_metrics():
+    """An ensemble's validation logs ``val_acc/<i>`` (member i's accuracy over the whole
+    validation set, merged exactly across batches), ``val_acc`` (the members pooled: their
+    mean, every member seeing the same batches) and ``val_loss/<i>`` likewise; the values
+    ``validate`` returns are numbers."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from purestep.loops import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)
+    val = DataLoader(TensorDataset(x, y), batch_size=16)  # 16 + 16 + 8: unequal batches
+    trainer = Trainer(
+        max_epochs=1,
+        strategy=hardware.ensemble(K),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    net = mlp()
+    state = trainer.fit(net, accuracy_loss, optim.sgd(0.5), DataLoader(TensorDataset(x, y), 8), val)
+    seen = trainer.callback_metrics
+    (result,) = trainer.validate(state=state, dataloaders=val, fn=accuracy_loss, verbose=False)
+    for i in range(K):
+        member = engine.to_module(hardware.member(state, i), net)
+        with torch.no_grad():
+            logits = member.eval()(x)
+        want_acc = float((logits.argmax(-1) == y).float().mean())
+        assert float(seen[f"val_acc/{i}"]) == pytest.approx(want_acc, abs=1e-6)
+        assert result[f"val_acc/{i}"] == pytest.approx(want_acc, abs=1e-6)
+        losses = [F.cross_entropy(logits[j : j + 16], y[j : j + 16]) for j in (0, 16, 32)]
+        want_loss = float(sum(loss * n for loss, n in zip(losses, (16, 16, 8))) / 40)
+        assert result[f"val_loss/{i}"] == pytest.approx(want_loss, rel=1e-5)
+    members = [result[f"val_acc/{i}"] for i in range(K)]
+    assert result["val_acc"] == pytest.approx(sum(members) / K, abs=1e-6)
+    assert all(isinstance(v, float) for v in result.values())
+
+
+def test_per_member_split_keeps_logging_options_and_plain_values():
+    from purestep.loops import aggregate
+    from purestep.loops.evaluate import per_member
+
+    stacked = metrics.Accuracy(correct=torch.tensor([1.0, 3.0]), total=torch.tensor([4.0, 4.0]))
+    plain = metrics.Accuracy.of(torch.tensor([1, 0]), torch.tensor([1, 1]))
+    out = per_member(
+        {"acc": aggregate.log(stacked, prog_bar=True), "plain": plain, "loss": torch.ones(2)}
+    )
+    assert sorted(out) == ["acc", "acc/0", "acc/1", "loss", "plain"]
+    assert out["plain"] is plain and torch.equal(out["loss"], torch.ones(2))
+    assert out["acc"].prog_bar is True and out["acc/0"].prog_bar is False
+    assert float(out["acc"].value.compute()) == 0.5
+    assert [float(out[f"acc/{i}"].value.compute()) for i in range(2)] == [0.25, 0.75]

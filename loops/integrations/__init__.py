@@ -25,7 +25,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     ),
     ".ray_tune": ("TuneReportCheckpoint", "tune_ckpt_path", "tune_report"),
     ".optuna_pruning": ("OptunaPruning", "original_trial_number", "resume_path", "trial_run_dir"),
-    ".sweep": ("MemberPruning", "SweepResult", "prune_members", "sweep"),
+    ".vmapped_sweep": ("MemberPruning", "SweepResult", "prune_members", "sweep"),
     ".hf_models": ("HFTask", "block_classes", "hf_loss", "save_pretrained"),
     ".hf_datasets": ("HFRows", "HFStream", "HFStreamData", "hf_loader"),
 }
@@ -40,7 +40,7 @@ EXTRAS: dict[str, str] = {
     ".ray_train": "ray",
     ".ray_tune": "ray",
     ".optuna_pruning": "optuna",
-    ".sweep": "optuna",
+    ".vmapped_sweep": "optuna",
     ".hf_models": "hf",
     ".hf_datasets": "hf",
 }

@@ -139,7 +139,7 @@ def _scalar(value: Any, name: str) -> float:
         if value.numel() != 1:
             raise ValueError(
                 f"OptunaPruning monitors {name!r}, a tensor of shape {tuple(value.shape)}; "
-                "it needs one value (under an ensemble, use loops.integrations.sweep)"
+                "it needs one value (under an ensemble, use loops.integrations.sweep())"
             )
         return float(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
