@@ -64,9 +64,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from purestep.engine import optim
+from purestep.hardware import member_sgd
 from purestep.loops import Trainer
+from purestep.loops.integrations import sweep
 from purestep.loops.integrations.optuna_pruning import OptunaPruning
-from purestep.loops.integrations.vmapped_sweep import member_sgd, sweep
 
 try:
     import _harness

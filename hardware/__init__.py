@@ -13,6 +13,7 @@ from .ensemble import (
 from .flags import from_flags
 from .fsdp import FSDP, FSDPEvalStep, FSDPPredictStep, FSDPTrainStep, fsdp
 from .launch import LaunchError, LaunchTimeout, free_port, launch
+from .member_sgd import MemberSGDState, member_sgd
 from .members import EnsembleInfo, is_ensemble, member, stack
 from .precision import PRECISIONS, MixedPrecision, TruePrecision, precision
 from .process_env import ProcessEnv
@@ -53,5 +54,7 @@ __all__ = [
     "fsdp",
     "is_ensemble",
     "member",
+    "MemberSGDState",
+    "member_sgd",
     "stack",
 ]

@@ -27,6 +27,8 @@ import torch
 from purestep.engine import metrics, tree
 from purestep.engine.state import TrainState
 from purestep.engine.step import batch_size
+from purestep.hardware.members import is_ensemble
+from purestep.hardware.members import size as ensemble_size
 
 from . import aggregate, loop_state, schedule
 from .data import length
@@ -55,19 +57,15 @@ def _counter_key(fn: str, stage: str, dataloader_idx: int) -> str:
     return f"{fn}/{_event_prefix(stage)}/{dataloader_idx}"
 
 
-def _member_count(metric: metrics.Metric) -> int:
-    """K when every tensor of ``metric`` has one leading member axis of size K > 1 (an
-    ensemble step's metric, computed under vmap), else 0 (an ordinary, 0-d metric)."""
-    sizes = {
-        t.shape[0] if t.dim() == 1 else -1
-        for t in tree.leaves(metric)
-        if isinstance(t, torch.Tensor)
-    }
-    return next(iter(sizes)) if len(sizes) == 1 and min(sizes) > 1 else 0
+def _has_member_axis(metric: metrics.Metric, k: int) -> bool:
+    """Whether every tensor of ``metric`` has a leading member axis of size ``k`` (what an
+    ensemble's eval step returns for a metric computed under vmap)."""
+    tensors = [t for t in tree.leaves(metric) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.dim() >= 1 and t.shape[0] == k for t in tensors)
 
 
-def per_member(values: Any) -> Any:
-    """An eval step's values with every ensemble metric split into its members.
+def per_member(values: Any, k: int) -> Any:
+    """An ensemble eval step's values with every metric split into its ``k`` members.
 
     An ``engine.metrics`` metric whose tensors carry a member axis ``[K]`` (what an
     ensemble's eval step returns for ``metrics.Accuracy.of(...)`` and the like) becomes
@@ -83,8 +81,7 @@ def per_member(values: Any) -> Any:
     for name, value in values.items():
         logged = value if isinstance(value, aggregate.Logged) else None
         raw = logged.value if logged is not None else value
-        k = _member_count(raw) if isinstance(raw, metrics.Metric) else 0
-        if not k:
+        if not (isinstance(raw, metrics.Metric) and _has_member_axis(raw, k)):
             out[name] = value
             continue
         members = [
@@ -134,6 +131,7 @@ def run_evaluation(
     if state.loop is None:  # a state straight from engine.init, or a custom loop's
         state = loop_state.ready(state)
     prefix = _event_prefix(stage)
+    members = ensemble_size(state) if is_ensemble(state) else 0
     sanity = stage == Stage.SANITY_CHECK
     epoch = state.progress.epoch if epoch is None else epoch
     previous_stage, driver.stage = driver.stage, stage
@@ -171,7 +169,9 @@ def run_evaluation(
                 state = driver.fire(f"on_{prefix}_batch_start", state, num_batches=limit, **fields)
                 with driver.evaluation_mode(), section(prof, step_action):
                     out = step(state, batch, index=batch_idx)
-                resolved = aggregate.resolve(per_member(out), stage)
+                if members > 1:
+                    out = per_member(out, members)
+                resolved = aggregate.resolve(out, stage)
                 if any(spec.kept for spec, _ in resolved.values()):
                     state, resolved = _keep(state, resolved)
                 acc = aggregate.accumulate(acc, resolved, batch_size(batch))

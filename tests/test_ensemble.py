@@ -839,11 +839,20 @@ def test_per_member_split_keeps_logging_options_and_plain_values():
 
     stacked = metrics.Accuracy(correct=torch.tensor([1.0, 3.0]), total=torch.tensor([4.0, 4.0]))
     plain = metrics.Accuracy.of(torch.tensor([1, 0]), torch.tensor([1, 1]))
+    # three per-class counts: not a member axis for two members (a macro metric's state)
+    per_class = metrics.Accuracy(correct=torch.ones(3), total=torch.ones(3))
     out = per_member(
-        {"acc": aggregate.log(stacked, prog_bar=True), "plain": plain, "loss": torch.ones(2)}
+        {
+            "acc": aggregate.log(stacked, prog_bar=True),
+            "plain": plain,
+            "classes": per_class,
+            "loss": torch.ones(2),
+        },
+        2,
     )
-    assert sorted(out) == ["acc", "acc/0", "acc/1", "loss", "plain"]
-    assert out["plain"] is plain and torch.equal(out["loss"], torch.ones(2))
+    assert sorted(out) == ["acc", "acc/0", "acc/1", "classes", "loss", "plain"]
+    assert out["plain"] is plain and out["classes"] is per_class
+    assert torch.equal(out["loss"], torch.ones(2))
     assert out["acc"].prog_bar is True and out["acc/0"].prog_bar is False
     assert float(out["acc"].value.compute()) == 0.5
     assert [float(out[f"acc/{i}"].value.compute()) for i in range(2)] == [0.25, 0.75]

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from purestep.engine import optim, tree
+from purestep.hardware import member_sgd
 from purestep.loops import Trainer
-from purestep.loops.integrations.vmapped_sweep import member_sgd, prune_members, sweep
+from purestep.loops.integrations import prune_members, sweep
 from tests.docs_book import PAGE
 from tests.helpers import mlp, sign_data, sign_loss
 

@@ -84,6 +84,7 @@ STRUCT_MODULES = frozenset(
         "engine.state",
         "engine.step",
         "hardware.ensemble",
+        "hardware.member_sgd",
         "hardware.members",
         "loops.aggregate",
         "loops.lightning.logging",

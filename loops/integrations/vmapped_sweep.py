@@ -3,7 +3,7 @@
 ``sweep(study, k, suggest, model, loss_fn, optimizer, train, val)`` asks the study for ``k``
 trials, lets ``suggest(trial)`` pick each one's hyper-parameters (``{"lr": ...,
 "weight_decay": ..., "momentum": ...}``), and trains all of them at once with
-``Trainer(strategy=hardware.ensemble(k, ...))``. The optimizer: ``member_sgd()`` (SGD whose
+``Trainer(strategy=hardware.ensemble(k, ...))``. The optimizer: ``hardware.member_sgd()`` (SGD whose
 three hyper-parameters are per-member tensors, one broadcasting call for all members) or
 any optimizer built with ``optim.inject_hyperparams`` (``hardware.ensemble(k, hparams=...)``,
 which runs it once per distinct set of values, so K calls a step for K trials). Every member
@@ -41,21 +41,13 @@ from purestep import hardware
 from purestep.engine import optim
 from purestep.engine import state as engine_state
 from purestep.engine.state import TrainState
-from purestep.engine.tree import struct
 from purestep.hardware import member_optim
+from purestep.hardware.member_sgd import MEMBER_SGD_HPARAMS, MemberSGDState
 
 from ..callbacks.base import Callback
 from ..events import NOTHING, Context, Requests, Stage
 
-__all__ = [
-    "MEMBER_SGD_HPARAMS",
-    "MemberPruning",
-    "MemberSGDState",
-    "SweepResult",
-    "member_sgd",
-    "prune_members",
-    "sweep",
-]
+__all__ = ["MemberPruning", "SweepResult", "prune_members", "sweep"]
 
 Suggest = Callable[[optuna.trial.Trial], Mapping[str, float]]
 
@@ -74,74 +66,6 @@ def prune_members(
     now = tuple(i for i, (p, d) in enumerate(zip(pruned, decisions)) if not p and d)
     after = tuple(bool(p) or i in now for i, p in enumerate(pruned))
     return after, now, bool(after) and all(after)
-
-
-@struct
-class MemberSGDState:
-    """``member_sgd``'s state: the step count, the momentum buffers and the three
-    hyper-parameters as tensors (one value per member in an ensemble state, shape ``[K]``)."""
-
-    count: int
-    momentum_buffer: dict[str, torch.Tensor]
-    lr: torch.Tensor
-    momentum: torch.Tensor
-    weight_decay: torch.Tensor
-
-
-#: the hyper-parameters ``member_sgd`` keeps, one value per member
-MEMBER_SGD_HPARAMS = ("lr", "momentum", "weight_decay")
-
-
-def member_sgd(
-    lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0
-) -> optim.GradientTransformation:
-    """SGD with momentum and L2 weight decay whose hyper-parameters are tensors in its state,
-    applied to all members of an ensemble in one broadcasting call.
-
-    ``optim.inject_hyperparams(optim.sgd)`` works in a sweep too, but the ensemble runs it
-    once per distinct set of hyper-parameters (once per trial); this one takes one call for
-    all of them. Member ``i`` follows ``optim.sgd(lr_i, momentum=m_i, weight_decay=wd_i)``
-    (torch's SGD: the first buffer is the gradient, no dampening, no Nesterov) to float
-    rounding: the decay and the update multiply by a tensor and add, where ``optim.sgd``
-    fuses them (``add(alpha=...)``). Momentum 0 is plain SGD, so trials with and without
-    momentum share one ensemble. The values given here are the defaults ``sweep`` replaces.
-    """
-    defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-    for name, value in defaults.items():
-        if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"member_sgd({name}={value!r}) must be a finite number >= 0")
-
-    def init(params: Mapping[str, torch.Tensor]) -> MemberSGDState:
-        like = next(iter(params.values()), torch.zeros(()))
-        scalar = {
-            n: torch.tensor(float(v), dtype=like.dtype, device=like.device)
-            for n, v in defaults.items()
-        }
-        zeros = {n: torch.zeros_like(p) for n, p in params.items()}
-        return MemberSGDState(count=0, momentum_buffer=zeros, **scalar)
-
-    def update(grads, state: MemberSGDState, params=None):
-        names = list(grads)
-        if params is None:
-            raise ValueError("member_sgd needs params in update() (weight decay)")
-        g = [grads[n] for n in names]
-        p = [params[n] for n in names]
-
-        def per_member(h: torch.Tensor) -> list[torch.Tensor]:
-            # [K] (or 0-d) values against [K, ...] tensors: one value per leading row
-            return [h.reshape(-1, *([1] * (t.dim() - 1))) if t.dim() else h for t in g]
-
-        g = torch._foreach_addcmul(g, p, per_member(state.weight_decay))
-        if state.count == 0:
-            buf = [t.clone() for t in g]
-        else:
-            old = [state.momentum_buffer[n] for n in names]
-            buf = torch._foreach_add(torch._foreach_mul(old, per_member(state.momentum)), g)
-        updates = torch._foreach_mul(buf, per_member(torch.neg(state.lr)))
-        new = state.replace(count=state.count + 1, momentum_buffer=dict(zip(names, buf)))
-        return dict(zip(names, updates)), new
-
-    return optim.GradientTransformation(init, update)
 
 
 class MemberPruning(Callback):
