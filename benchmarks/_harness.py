@@ -43,7 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from purestep.engine import rng
 
 try:
     import resource
@@ -65,6 +68,26 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- timing
+
+
+def cross_entropy_loss(apply: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> torch.Tensor:
+    """The classification loss the MLP benchmarks train: cross-entropy of ``apply(x)``."""
+    x, y = batch
+    return F.cross_entropy(apply(x), y)
+
+
+def classification_batches(
+    n: int, batch: int, features: int, classes: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` random ``(x, y)`` batches, the same on every run (drawn from key 1)."""
+    g = rng.generator(rng.key(1))
+    return [
+        (
+            torch.randn(batch, features, generator=g),
+            torch.randint(0, classes, (batch,), generator=g),
+        )
+        for _ in range(n)
+    ]
 
 
 def _minor_faults() -> int:

@@ -84,11 +84,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from purestep import engine, hardware
-from purestep.engine import optim, rng, tree
+from purestep.engine import optim, tree
 
 try:
     import _harness
@@ -103,20 +102,11 @@ FULL = (5, 15, 10)  # warm-up steps, rounds, steps per round
 QUICK = (2, 3, 2)
 
 
-def loss_fn(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
+loss_fn = _harness.cross_entropy_loss
 
 
 def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = rng.generator(rng.key(1))
-    return [
-        (
-            torch.randn(BATCH, WIDTHS[0], generator=g),
-            torch.randint(0, WIDTHS[-1], (BATCH,), generator=g),
-        )
-        for _ in range(n)
-    ]
+    return _harness.classification_batches(n, BATCH, WIDTHS[0], WIDTHS[-1])
 
 
 class Sequential:

@@ -37,11 +37,10 @@ import argparse
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from purestep import engine
-from purestep.engine import differentiable, optim, rng
+from purestep.engine import differentiable, optim
 
 try:
     import _harness
@@ -65,20 +64,11 @@ def make_model() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def loss_fn(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
+loss_fn = _harness.cross_entropy_loss
 
 
 def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = rng.generator(rng.key(1))
-    return [
-        (
-            torch.randn(BATCH, WIDTHS[0], generator=g),
-            torch.randint(0, WIDTHS[-1], (BATCH,), generator=g),
-        )
-        for _ in range(n)
-    ]
+    return _harness.classification_batches(n, BATCH, WIDTHS[0], WIDTHS[-1])
 
 
 class Purestep:

@@ -30,7 +30,7 @@ keeping the graph (the outer objective).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 from . import optim, rng
 from .loss_output import loss_for_grad
 from .optim.hyperparams import InjectHyperparamsState
-from .state import Progress, TrainState
+from .state import TrainState
 from .step import LossFn, StepOutput, TrainStep
 from .strategy import Strategy
 
@@ -95,6 +95,11 @@ def check_differentiable(
         )
 
 
+class _InsideTransform(ValueError):
+    """torch.autograd cannot mark the parameters: the step runs inside a torch.func
+    transform over something else."""
+
+
 def _tracked(p: Tensor) -> Tensor:
     """``p`` itself when it carries a graph (or is a leaf requiring grad), else a leaf view."""
     if p.requires_grad:
@@ -102,7 +107,7 @@ def _tracked(p: Tensor) -> Tensor:
     try:
         return p.detach().requires_grad_()
     except RuntimeError as exc:  # inside a torch.func transform over something else
-        raise ValueError(
+        raise _InsideTransform(
             "this differentiable step (grad='autograd') runs inside a torch.func transform "
             "that does not differentiate the parameters, where torch.autograd cannot mark "
             "them; build the step with grad='func' to take its gradients with torch.func"
@@ -138,26 +143,23 @@ class DifferentiableTrainStep(TrainStep):
         optimizer: optim.GradientTransformation,
         *,
         strategy: Strategy | None = None,
-        accumulate: int | Callable[[Progress], int] = 1,
         donate: bool = False,
-        grad: str = "autograd",
-        allow_unused: bool = False,
-        grad_norm: bool = True,
-        trainable: Sequence[str] | None = None,
+        **options: Any,
     ) -> None:
+        """``TrainStep``'s arguments (``options``: its other keywords); a strategy that runs
+        its own step, or ``donate=True``, is refused with the reason."""
         check_differentiable(strategy=strategy, donate=donate)
-        super().__init__(
-            model,
-            loss_fn,
-            optimizer,
-            strategy=strategy,
-            accumulate=accumulate,
-            donate=False,
-            grad=grad,
-            allow_unused=allow_unused,
-            grad_norm=grad_norm,
-            trainable=trainable,
-        )
+        super().__init__(model, loss_fn, optimizer, strategy=strategy, donate=False, **options)
+
+    def _probe_unused(self, params, buffers, batch, key, loss_scale, divisor) -> None:
+        """The unused-parameter check runs an autograd pass, which a torch.func transform
+        over the hyper-parameters does not allow: a ``grad="func"`` step first called
+        inside one checks on its first call outside."""
+        try:
+            super()._probe_unused(params, buffers, batch, key, loss_scale, divisor)
+        except _InsideTransform:
+            if self.grad != "func":
+                raise
 
     def donating(self, *, backward: bool = True) -> TrainStep:
         check_differentiable(donate=True)

@@ -129,6 +129,14 @@ def test_columns_and_bad_input_get_clear_errors():
         next(data.source(hf_loader(ragged, 2)).iterate(0))
 
 
+def test_a_text_column_comes_as_the_per_row_path_gives_it():
+    ds = datasets.Dataset.from_dict({"text": ["a", "bb", "c"], "y": [0, 1, 2]})
+    per_row = next(data.source(ds.with_format("torch"), batch_size=2).iterate(0))
+    fast = next(data.source(hf_loader(ds, 2)).iterate(0))
+    assert per_row["text"] == fast["text"] == ["a", "bb"]
+    assert torch.equal(per_row["y"], fast["y"])
+
+
 # ---------------------------------------------------------------------- streaming
 
 
@@ -151,6 +159,41 @@ def test_a_stream_resumes_from_its_recorded_state():
     assert replayed.starts == [(1, 3, "replay")]
     # the dataset given is never left at a loaded position
     assert equal_batches(list(resumed.iterate(1)), full) and resumed.starts[-1] == (1, 0, "fresh")
+
+
+@pytest.mark.bitwise
+def test_a_checkpoint_taken_at_the_resume_batch_resumes_there_again():
+    """Saved while the resumed run holds its first batch: a second resume starts there."""
+    full = list(HFStream(stream(), 6).iterate(1))
+    first = HFStream(stream(), 6)
+    it = first.iterate(1)
+    for _ in range(3):
+        next(it)
+    once = HFStream(stream(), 6)
+    once.load_state_dict(first.state_dict())
+    next(once.iterate(1, 3))  # the loop holds batch 3; nothing after it served yet
+    twice = HFStream(stream(), 6)
+    twice.load_state_dict(once.state_dict())
+    assert equal_batches(list(twice.iterate(1, 3)), full[3:])
+    assert twice.starts == [(1, 3, "state")]
+
+
+@pytest.mark.bitwise
+def test_a_shuffle_buffered_stream_resumes_by_replay_exactly():
+    """datasets drops a shuffle buffer's examples on a state resume: replay instead."""
+
+    def shuffled():
+        return stream().shuffle(seed=0, buffer_size=8)
+
+    full = list(HFStream(shuffled(), 6).iterate(1))
+    first = HFStream(shuffled(), 6)
+    it = first.iterate(1)
+    for _ in range(3):
+        next(it)
+    resumed = HFStream(shuffled(), 6)
+    resumed.load_state_dict(first.state_dict())
+    assert equal_batches(list(resumed.iterate(1, 3)), full[3:])
+    assert resumed.starts == [(1, 3, "replay")]
 
 
 def test_a_stream_checks_what_it_is_given():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import runpy
 import signal
 import sys
@@ -43,6 +44,7 @@ from purestep.loops.integrations.ray_train import (  # noqa: E402
     ray_train_report,
 )
 from purestep.loops.profiling import Monitor  # noqa: E402
+from tests.ray_cluster import local_cluster  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ray_train.py")
@@ -64,25 +66,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 @pytest.fixture(scope="module")
 def cluster(cores_to_ourselves):
     """A local Ray cluster for this file (torn down at its end, its processes with it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RAY_ADDRESS", raising=False)
-        for name, value in CLUSTER_ENV.items():
-            mp.setenv(name, value)
-        # ray may have been imported before this module set the variable (another test
-        # module): its constant, read when the node address is resolved, says the same
-        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-        info = ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        try:
-            yield info
-        finally:
-            ray.shutdown()
+    with local_cluster(ray, CLUSTER_ENV) as info:
+        yield info
 
 
 # ---------------------------------------------------------------------- the run
@@ -295,6 +280,16 @@ def test_a_ray_checkpoint_without_a_purestep_file_is_refused(tmp_path):
         ray_ckpt_path(found)
     (tmp_path / CHECKPOINT_FILE).write_bytes(b"")
     assert ray_ckpt_path(found) == str(tmp_path / CHECKPOINT_FILE)
+
+
+def test_a_checkpoint_on_another_filesystem_is_copied_to_a_local_folder(tmp_path):
+    import pyarrow.fs
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / CHECKPOINT_FILE).write_bytes(b"state")
+    remote = pyarrow.fs.SubTreeFileSystem(str(tmp_path), pyarrow.fs.LocalFileSystem())
+    got = ray_ckpt_path(ray.train.Checkpoint("c", filesystem=remote))
+    assert not got.startswith(str(tmp_path)) and pathlib.Path(got).read_bytes() == b"state"
 
 
 def test_bad_arguments_are_refused():

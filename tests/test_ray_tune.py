@@ -40,6 +40,7 @@ from purestep.loops.integrations.ray_tune import (  # noqa: E402
     tune_report,
 )
 from purestep.loops.profiling import Monitor  # noqa: E402
+from tests.ray_cluster import local_cluster  # noqa: E402
 
 #: What every process of the cluster (and the trials it starts) runs with: no usage
 #: reports, a single-machine cluster on 127.0.0.1.
@@ -52,25 +53,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 @pytest.fixture(scope="module")
 def cluster(cores_to_ourselves):
     """A local Ray cluster for this file (torn down at its end, its processes with it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RAY_ADDRESS", raising=False)
-        for name, value in CLUSTER_ENV.items():
-            mp.setenv(name, value)
-        # ray may have been imported before this module set the variable (another test
-        # module): its constant, read when the node address is resolved, says the same
-        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-        info = ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        try:
-            yield info
-        finally:
-            ray.shutdown()
+    with local_cluster(ray, CLUSTER_ENV) as info:
+        yield info
 
 
 # ---------------------------------------------------------------------- the trial
@@ -109,6 +93,8 @@ def trainable(config: dict) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     callbacks = tune_report("val_loss")
+    if config.get("reporter_alone"):  # the mistake: the reporter without its SaveForReport
+        callbacks = [TuneReportCheckpoint("val_loss")]
     if config.get("crash_at") is not None:
         callbacks.append(CrashOnce(config["crash_at"], config["marker"]))
     trainer = Trainer(
@@ -212,6 +198,18 @@ def _quick_fit(callbacks) -> None:
         enable_checkpointing=False,
         logger=False,
     ).fit(nn.Linear(4, 3), _loss, optim.sgd(0.1), DataLoader(_data(8, 0), batch_size=4))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_reporter_without_its_save_callback_fails_saying_what_to_pass(cluster, tmp_path):
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"lr": 0.1, "epochs": 1, "reporter_alone": True},
+        run_config=tune.RunConfig(name="alone", storage_path=str(tmp_path / "ray")),
+    )
+    (result,) = tuner.fit()
+    assert "report.callbacks()" in str(result.error)
 
 
 def test_outside_a_tune_trial_the_report_fails_saying_so():

@@ -65,7 +65,8 @@ class HFRows(Dataset):
     a dict ``column -> tensor`` stacked over the batch (Arrow gathers the rows).
 
     ``columns``: the columns to serve (default: all). Every served column must have rows of
-    one shape (pad sequences first, e.g. with ``ds.map``), or a batch cannot be stacked.
+    one shape (pad sequences first, e.g. with ``ds.map``), or a batch cannot be stacked; a
+    text column comes as a list of strings, as ``default_collate`` gives it.
     """
 
     #: The rows are read together: no per-sample RNG scoping (``loops.data.sample_rng``).
@@ -82,7 +83,11 @@ class HFRows(Dataset):
 
     def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = self.ds[list(indices)]
-        ragged = [k for k, v in batch.items() if not isinstance(v, torch.Tensor)]
+        ragged = [
+            k
+            for k, v in batch.items()
+            if not isinstance(v, torch.Tensor) and not all(isinstance(x, str) for x in v)
+        ]
         if ragged:
             raise ValueError(
                 f"columns {ragged} have rows of different shapes, so a batch of them cannot "
@@ -90,6 +95,17 @@ class HFRows(Dataset):
                 "columns=[...]"
             )
         return batch
+
+
+def _has_shuffle_buffer(ds: Any) -> bool:
+    """Whether the stream's chain of example iterables holds a shuffle buffer
+    (``IterableDataset.shuffle(buffer_size=...)``)."""
+    it = getattr(ds, "_ex_iterable", None)
+    while it is not None:
+        if type(it).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        it = getattr(it, "ex_iterable", None)
+    return False
 
 
 def _whole_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -162,6 +178,9 @@ class HFStream(Batches):
         self.collate_fn = collate_fn or default_collate
         self.keep = keep
         self._marks: dict[tuple[int, int], Any] = {}
+        #: a shuffle buffer's examples are lost by a resume from ``state_dict`` (datasets
+        #: refills the buffer): such a stream resumes by replaying its epoch instead
+        self._exact = not _has_shuffle_buffer(ds)
         #: ``(epoch, start, how)`` of every ``iterate``: how is "fresh" (batch 0), "state"
         #: (from a recorded position) or "replay" (read from the epoch's start, dropping).
         self.starts: list[tuple[int, int, str]] = []
@@ -185,13 +204,14 @@ class HFStream(Batches):
         return ds
 
     def _generate(self, epoch: int, start: int) -> Iterator[Any]:
-        position = self._marks.get((epoch, start)) if start else None
+        position = self._marks.get((epoch, start)) if start and self._exact else None
         how = "fresh" if not start else ("state" if position is not None else "replay")
         self.starts.append((epoch, start, how))
         ds = self._stream(epoch, position)
         examples = iter(ds)
         b = start if position is not None else 0
-        self._record(epoch, b, ds.state_dict())
+        if position is not None:  # ds.state_dict() says its start until iteration begins
+            self._record(epoch, b, position)
         while True:
             rows = list(itertools.islice(examples, self.batch_size))
             if not rows or (self.drop_last and len(rows) < self.batch_size):

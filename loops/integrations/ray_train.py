@@ -191,6 +191,13 @@ class RayReporter(Monitor):
         if self._pending and (ctx.world_size == 1 or ctx.progress.micro_step == 0):
             pending, self._pending = self._pending, []
             for report in pending:
+                staged = os.path.join(report.folder, CHECKPOINT_FILE)
+                if ctx.rank == 0 and not os.path.exists(staged):
+                    raise RuntimeError(
+                        f"{type(self).__name__} found no checkpoint to report at {staged}: "
+                        "pass report.callbacks() (SaveForReport and the reporter) to the "
+                        "Trainer's callbacks, not the reporter alone"
+                    )
                 self.send(report.metrics, report.folder, ctx)
         return None
 
@@ -283,7 +290,7 @@ def ckpt_path_from(checkpoint: Any, where: str = "Ray") -> str | None:
     else:
         folder = checkpoint.to_directory()
     path = os.path.join(folder, CHECKPOINT_FILE)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a file, or a sharded run's folder
         raise FileNotFoundError(
             f"the checkpoint {where} gave ({checkpoint.path}) holds no purestep checkpoint "
             f"file {CHECKPOINT_FILE!r}; it holds {sorted(os.listdir(folder))}. Was it "

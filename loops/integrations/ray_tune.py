@@ -16,7 +16,6 @@ that asks for the file, an observer that reports it), is ``ray_train``'s: see th
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -70,8 +69,9 @@ class TuneReportCheckpoint(RayReporter):
             )
 
     def send(self, metrics: dict[str, Any], folder: str, ctx: Context) -> None:
-        ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(folder))
-        if os.path.isdir(folder):  # Tune has copied it to the trial's storage
+        try:
+            ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(folder))
+        finally:  # copied to the trial's storage by then; a stopped trial leaves by SystemExit
             remove_staged(folder)
 
 
