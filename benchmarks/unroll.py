@@ -11,7 +11,8 @@ held-out batch differentiated with respect to what the run learns:
 
 * **meta** (MAML's second-order meta-gradient): plain SGD (lr 0.1); the gradient of the
   held-out loss with respect to the initial parameters. purestep:
-  ``engine.train_step(..., differentiable=True)``, ``differentiable.unroll`` and
+  ``engine.train_step(..., differentiable=True, grad_norm=False)`` (no gradient norms, as by
+  hand), ``differentiable.unroll`` and
   ``differentiable.loss_of``; by hand: ``torch.func.functional_call``,
   ``torch.autograd.grad(..., create_graph=True)`` and ``torch.add(p, g, alpha=-lr)`` per
   step (the same arithmetic: the two meta-gradients are compared bitwise before timing).
@@ -81,7 +82,8 @@ class Purestep:
             if hyper
             else optim.sgd(LR)
         )
-        self.step = engine.train_step(model, loss_fn, opt, differentiable=True)
+        # no gradient norms: the hand loop computes none (the default step reports them)
+        self.step = engine.train_step(model, loss_fn, opt, differentiable=True, grad_norm=False)
         self.start = engine.init(model, opt)
 
     def roots(self):
