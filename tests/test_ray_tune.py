@@ -5,7 +5,8 @@ One cluster serves the whole file. Checked: ``TuneReportCheckpoint`` reports eac
 whose validation loss is behind at a rung, after fewer iterations than the full run; a
 trial that crashes mid-epoch and is retried by Tune (``FailureConfig(max_failures=1)``)
 resumes from its last reported checkpoint and ends bitwise equal, parameters and metrics,
-to the same trial never interrupted; outside a Tune trial the callback and
+to the same trial never interrupted, and so does one that ended in error and was resumed by
+``Tuner.restore(..., resume_errored=True)``; outside a Tune trial the callback and
 ``tune_ckpt_path`` fail saying so.
 """
 
@@ -182,6 +183,38 @@ def test_a_trial_that_crashed_and_was_retried_ends_bitwise_equal(cluster, tmp_pa
     assert retried.metrics["training_iteration"] == clean.metrics["training_iteration"] == 3
     assert retried.metrics["val_loss"] == clean.metrics["val_loss"]
     expected, got = _params(clean), _params(retried)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise
+@pytest.mark.timeout(240)
+def test_an_errored_trial_resumed_by_tuner_restore_ends_bitwise_equal(cluster, tmp_path):
+    """No retries: the crashed trial ends the experiment in error; ``Tuner.restore(...,
+    resume_errored=True)`` resumes it from its last reported checkpoint, not from scratch."""
+    marker = tmp_path / "crashed"
+    storage = tmp_path / "ray"
+    tuner = tune.Tuner(
+        trainable,
+        param_space={
+            "crash_at": tune.grid_search([None, 6]),
+            "marker": str(marker),
+            "lr": 0.1,
+            "epochs": 3,
+        },
+        run_config=tune.RunConfig(name="restored", storage_path=str(storage)),
+    )
+    first = tuner.fit()
+    assert len(first.errors) == 1 and marker.exists()
+    restored = tune.Tuner.restore(str(storage / "restored"), trainable, resume_errored=True)
+    results = restored.fit()
+    assert not results.errors
+    by = {r.config["crash_at"]: r for r in results}
+    clean, resumed = by[None], by[6]
+    assert resumed.metrics["training_iteration"] == clean.metrics["training_iteration"] == 3
+    assert resumed.metrics["val_loss"] == clean.metrics["val_loss"]
+    expected, got = _params(clean), _params(resumed)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
