@@ -59,7 +59,6 @@ import warnings
 
 import optuna
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,31 +77,16 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 )
 import digits
+import optuna_sweep
 
 K = 16
 BATCH = 32
 FULL = (10, 5)  # epochs, timed rounds
 QUICK = (1, 1)
-QUIET = {
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
-
-
-def loss_fn(apply, batch):
-    x, y = batch
-    return F.cross_entropy(apply(x), y)
-
-
-def suggest(trial: optuna.trial.Trial) -> dict[str, float]:
-    return {
-        "lr": trial.suggest_float("lr", 1e-3, 0.1, log=True),
-        "momentum": trial.suggest_float("momentum", 0.5, 0.9),
-        "weight_decay": trial.suggest_float("weight_decay", 1e-5, 1e-2, log=True),
-    }
+# the example's trainer flags, loss and search space
+QUIET = {**optuna_sweep.QUIET}
+loss_fn = optuna_sweep.loss_fn
+suggest = optuna_sweep.suggest
 
 
 def parameter_sets() -> list[dict[str, float]]:

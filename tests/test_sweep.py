@@ -314,3 +314,27 @@ def test_the_hyperparameter_search_page_runs(capsys):
             assert result.values[i] == trial.value == trial.intermediate_values[3]
         else:
             assert result.values[i] is None and list(trial.intermediate_values)[-1] >= 1
+
+
+def test_the_example_continues_its_stored_study_and_prints_the_best_trial(
+    monkeypatch, tmp_path, capsys
+):
+    """examples/optuna_sweep.py over an sqlite study, run twice: the second run adds its
+    trials to the same study, every trial ends told or pruned, and the line printed last
+    is the study's best trial."""
+    pytest.importorskip("sklearn")
+    import runpy
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    monkeypatch.syspath_prepend(examples)
+    main = runpy.run_path(os.path.join(examples, "optuna_sweep.py"))["main"]
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    args = ["--k", "4", "--rounds", "1", "--epochs", "3", "--storage", storage]
+    main(args)
+    best = main(args)
+    study = optuna.load_study(study_name="digits-sweep", storage=storage)
+    assert len(study.trials) == 8
+    assert {t.state for t in study.trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert best == study.best_value < math.log(10)  # below chance (ten classes)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"best_val_loss={best:.4f} trial={study.best_trial.number} lr=")
