@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> float:
         )
         pruned = sum(state == optuna.trial.TrialState.PRUNED for state in result.states)
         done = [v for v in result.values if v is not None]
-        print(f"round {r}: {len(done)} trials told, {pruned} pruned, best {min(done):.4f}")
+        best_now = f"{min(done):.4f}" if done else "-"  # every trial may have been pruned
+        print(f"round {r}: {len(done)} trials told, {pruned} pruned, best {best_now}")
     best = study.best_trial
     values = " ".join(f"{name}={value:.4g}" for name, value in best.params.items())
     print(f"best_val_loss={best.value:.4f} trial={best.number} {values}")

@@ -18,9 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from purestep import hardware
 from purestep.engine import optim, tree
 from purestep.hardware import member_sgd
 from purestep.loops import Trainer
+from purestep.loops.callbacks.base import Callback
+from purestep.loops.events import NOTHING
 from purestep.loops.integrations import prune_members, sweep
 from tests.docs_book import PAGE
 from tests.helpers import mlp, sign_data, sign_loss
@@ -217,6 +220,84 @@ def test_a_monitor_never_logged_is_an_error_and_fails_the_trials():
     study = _study()
     with pytest.raises(RuntimeError, match=r"logged no 'val_acc/0'.*val_loss"):
         _sweep(study, monitor="val_acc")
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2
+
+
+class RaiseAt(Callback):
+    """Raises ``error`` when training epoch ``epoch`` starts."""
+
+    def __init__(self, epoch: int, error: BaseException) -> None:
+        self.epoch, self.error = epoch, error
+
+    def on_train_epoch_start(self, state, ctx):
+        if ctx.epoch == self.epoch:
+            raise self.error
+        return state, NOTHING
+
+
+def test_an_error_after_a_member_was_pruned_fails_the_others_and_is_raised():
+    slow = {"lr": 1e-4, "momentum": 0.5, "weight_decay": 1e-5}
+    fast = {"lr": 0.3, "momentum": 0.9, "weight_decay": 1e-5}
+    pruner = optuna.pruners.ThresholdPruner(upper=1.0, n_warmup_steps=1)
+    study = _study(pruner, [slow, fast])
+    boom = RaiseAt(2, RuntimeError("boom in epoch 2"))  # after epoch 1's pruning
+    with pytest.raises(RuntimeError, match="boom in epoch 2"):
+        _sweep(study, max_epochs=EPOCHS, callbacks=[boom])
+    assert [t.state for t in study.trials] == [TrialState.PRUNED, TrialState.FAIL]
+
+
+def test_an_interrupted_sweep_fails_its_open_trials_instead_of_telling_partial_values():
+    study = _study()
+    with pytest.raises(KeyboardInterrupt):
+        _sweep(study, max_epochs=EPOCHS, callbacks=[RaiseAt(1, KeyboardInterrupt())])
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2
+
+
+def test_a_nan_value_is_what_optuna_stores_fail():
+    def explode(trial):
+        return {"lr": 1e9, "momentum": 0.9, "weight_decay": 0.0}
+
+    study = _study()
+    with pytest.warns(UserWarning, match="nan"):
+        result = _sweep(study, fn=explode, max_epochs=2)
+    assert result.states == (TrialState.FAIL,) * 2 == tuple(t.state for t in study.trials)
+    assert result.values == (None, None)
+
+
+def test_several_validation_loaders_monitor_one_of_them():
+    train, val = _data()
+    other = DataLoader(sign_data(32, 2), batch_size=16)
+    study = _study()
+    result = sweep(
+        study,
+        2,
+        suggest,
+        mlp(),
+        sign_loss,
+        _sgd(),
+        train,
+        [val, other],
+        monitor="val_loss/dataloader_idx_1",
+        max_epochs=1,
+        **QUIET,
+    )
+    logged = result.trainer.callback_metrics
+    assert result.values == tuple(float(logged[f"val_loss/{i}/dataloader_idx_1"]) for i in (0, 1))
+    assert result.values != tuple(float(logged[f"val_loss/{i}/dataloader_idx_0"]) for i in (0, 1))
+
+
+def test_the_base_strategy_sets_the_members_precision():
+    result = _sweep(_study(), base=hardware.single_device("cpu", "64-true"))
+    assert result.member(0).params["0.weight"].dtype == torch.float64
+    assert result.states == (TrialState.COMPLETE,) * 2
+
+
+def test_an_injected_sgd_built_without_momentum_cannot_take_suggested_momenta():
+    study = _study()
+    with pytest.raises(ValueError, match="built with momentum=0"):
+        _sweep(
+            study, opt=optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=0.0, weight_decay=0.0)
+        )
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 2
 
 

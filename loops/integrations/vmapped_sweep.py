@@ -93,10 +93,16 @@ class MemberPruning(Callback):
         }
 
     def names(self) -> list[str]:
-        """The logged name of each member's value (``<monitor>/<i>``; a 1-member ensemble
-        logs its value under ``monitor`` itself)."""
+        """The logged name of each member's value (``<monitor>/<i>``, before a
+        ``/dataloader_idx_<j>`` suffix when the monitor has one; a 1-member ensemble logs
+        its value under ``monitor`` itself)."""
         k = len(self.trials)
-        return [self.monitor] if k == 1 else [f"{self.monitor}/{i}" for i in range(k)]
+        if k == 1:
+            return [self.monitor]
+        base, sep, loader = self.monitor.rpartition("/dataloader_idx_")
+        if sep:
+            return [f"{base}/{i}{sep}{loader}" for i in range(k)]
+        return [f"{self.monitor}/{i}" for i in range(k)]
 
     def on_validation_end(self, state: dict[str, Any], ctx: Context) -> tuple[Any, Requests]:
         if ctx.fn != "fit" or ctx.stage == Stage.SANITY_CHECK:
@@ -202,6 +208,13 @@ def _check_optimizer(
             "optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=0.9, weight_decay=1e-4)"
         )
     momentum = hparams.get("momentum")
+    built = None if fused else dict(member_optim.hyperparameters(initial)).get("momentum")
+    if built is not None and float(built) == 0 and any(m != 0 for m in momentum or ()):
+        raise ValueError(
+            "the optimizer was built with momentum=0, so it keeps no momentum buffer, but "
+            "suggest(trial) gives trials a momentum > 0: build it with momentum > 0, e.g. "
+            "optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=0.9), or use member_sgd()"
+        )
     if not fused and momentum is not None and 0 < sum(m == 0 for m in momentum) < len(momentum):
         raise ValueError(
             "suggest(trial) gave momentum 0 to some trials and not to others: SGD keeps a "
@@ -218,10 +231,11 @@ def _initial_state(
     seed: int,
     hparams: Mapping[str, list[float]],
     fused: bool,
+    base: Any,
 ) -> TrainState:
-    """K copies of the state a single run of ``seed`` starts from, with each member's
-    hyper-parameters."""
-    single = engine_state.init(model, optimizer, seed=seed)
+    """K copies of the state a single run of ``seed`` starts from on ``base`` (its device
+    and precision), with each member's hyper-parameters."""
+    single = engine_state.init(model, optimizer, seed=seed, strategy=base)
     stacked = hardware.stack([single] * k, key=single.rng)
     if not fused:
         opt_state = member_optim.set_hyperparameters(stacked.opt_state, dict(hparams))
@@ -286,12 +300,14 @@ def sweep(
     try:
         hparams = _suggested(asked, suggest)
         fused = _check_optimizer(model, optimizer, hparams)
-        start = _initial_state(model, optimizer, k, seed, hparams, fused)
         strategy = hardware.ensemble(k, base, hparams=None if fused else hparams)
+        start = _initial_state(model, optimizer, k, seed, hparams, fused, strategy.base)
         trainer = Trainer(strategy=strategy, callbacks=[*callbacks, pruning], **trainer_flags)
         final = trainer.fit(
             model, loss_fn, optimizer, train_dataloaders, val_dataloaders, state=start
         )
+        if trainer.interrupted:  # the fit returned on Ctrl-C: its trials did not finish
+            raise KeyboardInterrupt("the sweep was interrupted: its open trials are FAIL")
         own = final.callbacks[pruning.key]
         values: list[float | None] = []
         states: list[TrialState] = []
@@ -307,14 +323,13 @@ def sweep(
                     f"trial {trial.number} has no {monitor!r}: no validation ran during the fit "
                     "(give val_dataloaders and let at least one epoch end)"
                 )
-            study.tell(trial, value)
+            told = study.tell(trial, value)  # a NaN value makes Optuna store FAIL
             open_trials.discard(i)
-            values.append(value)
-            states.append(TrialState.COMPLETE)
+            values.append(told.value)
+            states.append(told.state)
     except BaseException:
-        for i in sorted(open_trials):
-            if not _finished(study, asked[i]):
-                study.tell(asked[i], state=TrialState.FAIL)
+        for i in sorted(open_trials):  # a trial pruned during the run stays PRUNED
+            study.tell(asked[i], state=TrialState.FAIL, skip_if_finished=True)
         raise
     return SweepResult(
         trials=tuple(asked),
@@ -324,7 +339,3 @@ def sweep(
         state=final,
         trainer=trainer,
     )
-
-
-def _finished(study: optuna.Study, trial: optuna.trial.Trial) -> bool:
-    return study._storage.get_trial(trial._trial_id).state.is_finished()
