@@ -140,17 +140,24 @@ def test_a_text_column_comes_as_the_per_row_path_gives_it():
 # ---------------------------------------------------------------------- streaming
 
 
+def resumed_at_batch_3(make, saved_from=None) -> HFStream:
+    """A new ``HFStream(make(), 6)`` loaded with what ``saved_from`` (by default a stream that
+    served epoch 1's first three batches) holds in its ``state_dict``."""
+    if saved_from is None:
+        saved_from = HFStream(make(), 6)
+        it = saved_from.iterate(1)
+        for _ in range(3):
+            next(it)
+    resumed = HFStream(make(), 6)
+    resumed.load_state_dict(saved_from.state_dict())
+    return resumed
+
+
 @pytest.mark.bitwise
 def test_a_stream_resumes_from_its_recorded_state():
     full = list(HFStream(stream(), 6).iterate(1))
     assert len(full) == 7  # 40 rows: 6 batches of 6 and one of 4
-    first = HFStream(stream(), 6)
-    it = first.iterate(1)
-    for _ in range(3):
-        next(it)
-    saved = first.state_dict()
-    resumed = HFStream(stream(), 6)
-    resumed.load_state_dict(saved)
+    resumed = resumed_at_batch_3(stream)
     assert equal_batches(list(resumed.iterate(1, 3)), full[3:])
     assert resumed.starts == [(1, 3, "state")]
     # without a recorded position the epoch is replayed: the same batches, the weaker way
@@ -165,15 +172,9 @@ def test_a_stream_resumes_from_its_recorded_state():
 def test_a_checkpoint_taken_at_the_resume_batch_resumes_there_again():
     """Saved while the resumed run holds its first batch: a second resume starts there."""
     full = list(HFStream(stream(), 6).iterate(1))
-    first = HFStream(stream(), 6)
-    it = first.iterate(1)
-    for _ in range(3):
-        next(it)
-    once = HFStream(stream(), 6)
-    once.load_state_dict(first.state_dict())
+    once = resumed_at_batch_3(stream)
     next(once.iterate(1, 3))  # the loop holds batch 3; nothing after it served yet
-    twice = HFStream(stream(), 6)
-    twice.load_state_dict(once.state_dict())
+    twice = resumed_at_batch_3(stream, saved_from=once)
     assert equal_batches(list(twice.iterate(1, 3)), full[3:])
     assert twice.starts == [(1, 3, "state")]
 
@@ -186,12 +187,7 @@ def test_a_shuffle_buffered_stream_resumes_by_replay_exactly():
         return stream().shuffle(seed=0, buffer_size=8)
 
     full = list(HFStream(shuffled(), 6).iterate(1))
-    first = HFStream(shuffled(), 6)
-    it = first.iterate(1)
-    for _ in range(3):
-        next(it)
-    resumed = HFStream(shuffled(), 6)
-    resumed.load_state_dict(first.state_dict())
+    resumed = resumed_at_batch_3(shuffled)
     assert equal_batches(list(resumed.iterate(1, 3)), full[3:])
     assert resumed.starts == [(1, 3, "replay")]
 

@@ -156,6 +156,24 @@ def test_asha_stops_the_trials_that_fall_behind(cluster, tmp_path):
     assert state.progress.epoch == epochs and state.progress.step == 4 * epochs
 
 
+def _crash_space(marker) -> dict:
+    """Two trials, one of which crashes at step 6 (epoch 1's third batch; its last report
+    was at the end of epoch 0), the first time only."""
+    return {"crash_at": tune.grid_search([None, 6]), "marker": str(marker), "lr": 0.1, "epochs": 3}
+
+
+def _assert_the_crashed_trial_equals_the_clean_one(results) -> None:
+    """Resumed, not restarted (3 iterations in all), and bitwise the uninterrupted trial."""
+    assert not results.errors
+    by = {r.config["crash_at"]: r for r in results}
+    clean, resumed = by[None], by[6]
+    assert resumed.metrics["training_iteration"] == clean.metrics["training_iteration"] == 3
+    assert resumed.metrics["val_loss"] == clean.metrics["val_loss"]
+    expected, got = _params(clean), _params(resumed)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 @pytest.mark.slow
 @pytest.mark.bitwise
 @pytest.mark.timeout(240)
@@ -163,13 +181,7 @@ def test_a_trial_that_crashed_and_was_retried_ends_bitwise_equal(cluster, tmp_pa
     marker = tmp_path / "crashed"
     tuner = tune.Tuner(
         trainable,
-        # step 6: epoch 1's third batch; the last report was at the end of epoch 0
-        param_space={
-            "crash_at": tune.grid_search([None, 6]),
-            "marker": str(marker),
-            "lr": 0.1,
-            "epochs": 3,
-        },
+        param_space=_crash_space(marker),
         run_config=tune.RunConfig(
             name="retried",
             storage_path=str(tmp_path / "ray"),
@@ -177,14 +189,8 @@ def test_a_trial_that_crashed_and_was_retried_ends_bitwise_equal(cluster, tmp_pa
         ),
     )
     results = tuner.fit()
-    assert not results.errors and marker.exists()  # it did crash once, and was retried
-    by = {r.config["crash_at"]: r for r in results}
-    clean, retried = by[None], by[6]
-    assert retried.metrics["training_iteration"] == clean.metrics["training_iteration"] == 3
-    assert retried.metrics["val_loss"] == clean.metrics["val_loss"]
-    expected, got = _params(clean), _params(retried)
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert marker.exists()  # it did crash once, and was retried
+    _assert_the_crashed_trial_equals_the_clean_one(results)
 
 
 @pytest.mark.slow
@@ -197,26 +203,13 @@ def test_an_errored_trial_resumed_by_tuner_restore_ends_bitwise_equal(cluster, t
     storage = tmp_path / "ray"
     tuner = tune.Tuner(
         trainable,
-        param_space={
-            "crash_at": tune.grid_search([None, 6]),
-            "marker": str(marker),
-            "lr": 0.1,
-            "epochs": 3,
-        },
+        param_space=_crash_space(marker),
         run_config=tune.RunConfig(name="restored", storage_path=str(storage)),
     )
     first = tuner.fit()
     assert len(first.errors) == 1 and marker.exists()
     restored = tune.Tuner.restore(str(storage / "restored"), trainable, resume_errored=True)
-    results = restored.fit()
-    assert not results.errors
-    by = {r.config["crash_at"]: r for r in results}
-    clean, resumed = by[None], by[6]
-    assert resumed.metrics["training_iteration"] == clean.metrics["training_iteration"] == 3
-    assert resumed.metrics["val_loss"] == clean.metrics["val_loss"]
-    expected, got = _params(clean), _params(resumed)
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    _assert_the_crashed_trial_equals_the_clean_one(restored.fit())
 
 
 # ---------------------------------------------------------------------- misuse (no cluster)
