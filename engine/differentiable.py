@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from . import optim, rng
-from .loss_output import loss_for_grad
 from .optim.hyperparams import InjectHyperparamsState
 from .state import TrainState
 from .step import LossFn, StepOutput, TrainStep
@@ -151,6 +150,9 @@ class DifferentiableTrainStep(TrainStep):
         check_differentiable(strategy=strategy, donate=donate)
         super().__init__(model, loss_fn, optimizer, strategy=strategy, donate=False, **options)
 
+    _leaf = staticmethod(_tracked)  # a parameter carrying the graph of earlier steps stays
+    _take_gradients = staticmethod(_graph_gradients)  # create_graph=True
+
     def _probe_unused(self, params, buffers, batch, key, loss_scale, divisor) -> None:
         """The unused-parameter check runs an autograd pass, which a torch.func transform
         over the hyper-parameters does not allow: a ``grad="func"`` step first called
@@ -164,21 +166,6 @@ class DifferentiableTrainStep(TrainStep):
     def donating(self, *, backward: bool = True) -> TrainStep:
         check_differentiable(donate=True)
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _grad_autograd(self, params, buffers, batch, key, loss_scale, divisor):
-        if self._all_trainable:
-            wrt = {n: _tracked(p) for n, p in params.items()}
-            bound_params = wrt
-        else:
-            wrt = {n: _tracked(params[n]) for n in self.trainable}
-            bound_params = {**params, **wrt}
-        with self._forward_scope(bound_params, buffers, key) as apply:
-            loss, metrics, new_buffers = self._call_loss(apply, batch, buffers)
-            if loss is None:  # the loss function skipped the batch: no gradients
-                return {}, None, metrics, new_buffers
-            target = loss_for_grad(loss, loss_scale, divisor)
-            grads = _graph_gradients(target, tuple(wrt.values()))
-        return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 
     def _tensor_norms(self, grads: dict[str, Tensor]) -> tuple[Tensor, ...] | None:
         with torch.no_grad():  # reported values: no graph for them

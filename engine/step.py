@@ -194,6 +194,11 @@ class TrainStep:
     _stage = "train_step"
     #: Whether ``owned_gradients`` also makes the gradients row-major.
     _contiguous_grads = False
+    #: The autograd path's two choices: how a parameter becomes a tensor to differentiate
+    #: with respect to, and how the gradients are taken (a differentiable step keeps the
+    #: graph in both).
+    _leaf = staticmethod(lambda p: p.detach().requires_grad_())
+    _take_gradients = staticmethod(scalar_gradients)
 
     def __init__(
         self,
@@ -548,18 +553,19 @@ class TrainStep:
         self._probed = loss is not None  # a skipped batch tells nothing: probe the next one
 
     def _grad_autograd(self, params, buffers, batch, key, loss_scale, divisor):
+        leaf = self._leaf
         if self._all_trainable:
-            bound_params = {n: p.detach().requires_grad_() for n, p in params.items()}
+            bound_params = {n: leaf(p) for n, p in params.items()}
             wrt = bound_params
         else:
-            wrt = {n: params[n].detach().requires_grad_() for n in self.trainable}
+            wrt = {n: leaf(params[n]) for n in self.trainable}
             bound_params = {**params, **wrt}
         with self._forward_scope(bound_params, buffers, key) as apply:
             loss, metrics, new_buffers = self._call_loss(apply, batch, buffers)
             if loss is None:  # the loss function skipped the batch: no gradients
                 return {}, None, metrics, new_buffers
             target = loss_for_grad(loss, loss_scale, divisor)
-            grads = scalar_gradients(target, tuple(wrt.values()))
+            grads = self._take_gradients(target, tuple(wrt.values()))
         return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 
     @contextlib.contextmanager
