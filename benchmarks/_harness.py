@@ -99,11 +99,14 @@ def interleaved(
     rounds: int,
     steps: int,
     faults: dict[str, list[float]] | None = None,
+    sync: Callable[[], Any] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per step of each side, one sample per round (``steps`` calls of the side).
 
     When ``faults`` is given, it receives the minor page faults per step of each block (the
-    process's count, so a fault in another thread of this process would count too).
+    process's count, so a fault in another thread of this process would count too). ``sync``
+    (e.g. ``torch.cuda.synchronize``) runs before the clock starts and before it stops, so a
+    block of asynchronous device work is timed to its completion.
     """
     names = list(sides)
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -115,10 +118,14 @@ def interleaved(
         for name in names[k:] + names[:k]:
             fn = sides[name]
             gc.collect()
+            if sync is not None:
+                sync()
             f0 = _minor_faults()
             t0 = clock()
             for _ in range(steps):
                 fn()
+            if sync is not None:
+                sync()
             samples[name].append((clock() - t0) * 1e-9 / steps)
             if faults is not None:
                 faults[name].append((_minor_faults() - f0) / steps)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import compile_guards
 from .compile_options import CompileOptions
 from .loss_output import SKIP_UNSUPPORTED
 from .optim import base as optim_base
@@ -51,6 +52,10 @@ class _Backend:
         self.seconds = 0.0
         patches: dict[str, Any] = {}
         if options.backend == "inductor":
+            if options.guards == "engine":
+                # the inputs' sizes and strides are guarded on every call: inductor's own
+                # asserts of them inside the graph are the same check again
+                patches["size_asserts"] = False
             if options.mode is not None:
                 patches.update(torch._inductor.list_mode_options(options.mode, options.dynamic))
             patches.update(options.options or {})
@@ -160,16 +165,32 @@ def _mark_dynamic(sources: list[str]) -> None:
 
 
 class _Graph:
-    """One function compiled with one step's options."""
+    """One function compiled with one step's options, at the guard floor of
+    ``engine.compile_guards`` under ``guards="engine"``."""
 
     def __init__(self, fn: Callable[..., Any], name: str, backend: _Backend) -> None:
         opts = backend.options
+        fresh = _fresh(fn, name)
+        floor = opts.guards == "engine" and compile_guards.supports_guard_filter()
+        inputs = fresh.__code__.co_varnames[: fresh.__code__.co_argcount]
         self.compiled = torch.compile(
-            _fresh(fn, name), backend=backend, dynamic=opts.dynamic, fullgraph=opts.fullgraph
+            fresh,
+            backend=backend,
+            dynamic=opts.dynamic,
+            fullgraph=opts.fullgraph,
+            options={"guard_filter_fn": compile_guards.guard_filter(inputs)} if floor else None,
         )
+        self._direct = compile_guards.DirectCalls(fresh) if floor and opts.fullgraph else None
 
     def __call__(self, *args: Any) -> Any:
-        return self.compiled(*args)
+        direct = self._direct
+        if direct is None:
+            return self.compiled(*args)
+        out = direct.run(args)
+        if out is direct.MISS:
+            out = self.compiled(*args)
+            direct.refresh()
+        return out
 
 
 def _traceable_update(opt_state: Any) -> bool:

@@ -27,7 +27,10 @@ class CompileOptions:
     ``"max-autotune"``, ...; inductor only). ``dynamic``: as ``torch.compile`` (None: static
     first, then generic in a shape that changes; True: generic from the start; False: one
     graph per shape). ``fullgraph``: refuse graph breaks (a clear ``CompileError``).
-    ``options``: inductor config patches (``torch._inductor.config`` names).
+    ``options``: inductor config patches (``torch._inductor.config`` names). ``guards``:
+    ``"engine"`` checks on each call what can change between calls (the inputs, the ambient
+    state, the values the step reads) and not the identity of the step's own functions and
+    modules (``engine.compile_guards``); ``"dynamo"`` keeps every guard of torch.compile.
     """
 
     backend: str | Callable[..., Any] = "inductor"
@@ -35,6 +38,7 @@ class CompileOptions:
     dynamic: bool | None = None
     fullgraph: bool = True
     options: Mapping[str, Any] | None = None
+    guards: str = "engine"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.backend, str) or callable(self.backend)):
@@ -56,6 +60,8 @@ class CompileOptions:
             raise TypeError(f"fullgraph must be a bool, got {self.fullgraph!r}")
         if self.options is not None and not isinstance(self.options, Mapping):
             raise TypeError(f"options must be a mapping, got {type(self.options).__name__}")
+        if self.guards not in ("engine", "dynamo"):
+            raise ValueError(f"guards must be 'engine' or 'dynamo', got {self.guards!r}")
 
 
 def compile_options(value: Any) -> CompileOptions | None:

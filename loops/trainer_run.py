@@ -443,6 +443,10 @@ def run_context(trainer: Trainer) -> Iterator[None]:
     previous_anomaly_nan = torch.is_anomaly_check_nan_enabled()
     try:
         if deterministic is not None:
+            if deterministic:
+                # deterministic cuBLAS needs a fixed workspace (as Lightning sets it): set
+                # before any CUDA matmul, kept for the process, never overriding the user's
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(
                 bool(deterministic), warn_only=deterministic == "warn"
             )

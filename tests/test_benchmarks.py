@@ -2,14 +2,17 @@
 
 Each benchmark runs as a subprocess from the repository root (as its docstring says to run
 it) and must exit cleanly with a last line ``key=value ...`` holding exactly its expected
-keys and finite, positive numbers. The figures of a quick run mean nothing, so nothing
-else is checked. About 15-20 s in all.
+keys and finite, positive numbers (and, where the headline figure must come last, that key
+last). The figures of a quick run mean nothing, so nothing else is checked. The GPU check
+script ``benchmarks/gpu_check.sh`` is checked for syntax, and its bitwise resume check is
+run on the CPU. About 1.5 minutes in all on two shared cores.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -38,7 +41,7 @@ EXPECTED = {
         "from_torch_ratio_small",
         "from_torch_ratio_mid",
     },
-    "char_lm.py": {"ratio_eager", "ratio_compiled"},
+    "char_lm.py": {"ratio_eager", "ratio_compiled", "ratio_vs_raw_compiled"},
     "lightning_loop.py": {"ratio", "task_ratio"},
     "cli_startup.py": {"help_s", "torch_import_s", "overhead_s", "ratio"},
     "hf_fit.py": {"ratio"},
@@ -50,8 +53,14 @@ EXPECTED = {
         "ratio_mid",
         "compile_s",
         "warm_compile_s",
+        "ratio_mid_vs_compiled",
+        "ratio_vs_raw_compiled",
     },
 }
+
+#: the key that must end the last line: the compiled engine step over the compiled
+#: hand-written loop, the figure the GPU check (``benchmarks/gpu_check.sh``) reads
+LAST_KEY = {"char_lm.py": "ratio_vs_raw_compiled", "compile_step.py": "ratio_vs_raw_compiled"}
 
 
 #: keys that may be zero or negative: ``python -m purestep fit --help`` can end sooner than
@@ -109,6 +118,8 @@ def test_quick_run_ends_with_its_ratio_line(script: str) -> None:
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     values = ratio_line(done.stdout)
     assert set(values) == EXPECTED[script], f"{script}: last line has keys {sorted(values)}"
+    if script in LAST_KEY:
+        assert list(values)[-1] == LAST_KEY[script], f"{script}: last key {list(values)[-1]}"
     for key, value in values.items():
         signed = key in SIGNED.get(script, ())
         assert math.isfinite(value) and (signed or value > 0), f"{script}: {key}={value}"
@@ -133,3 +144,35 @@ def test_ratio_line_reads_key_value_pairs() -> None:
 def test_ratio_line_rejects_malformed_output(output: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ratio_line(output)
+
+
+GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_script_is_executable_bash_with_valid_syntax() -> None:
+    assert os.access(GPU_CHECK, os.X_OK)
+    done = subprocess.run(["bash", "-n", GPU_CHECK], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.bitwise
+def test_gpu_check_resume_snippet_resumes_bitwise_on_the_cpu() -> None:
+    """The script's resume check, with its device switched to the CPU: a 2-epoch fit and a
+    1-epoch fit resumed from its checkpoint to 2 epochs end with torch.equal parameters."""
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", GPU_CHECK, "resume"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Restored the training state from" in done.stderr  # it resumed, not restarted
+    lines = done.stdout.strip().splitlines()
+    assert "steps: uninterrupted 24, resumed 24" in lines
+    assert "deterministic algorithms during fit: True" in done.stdout
+    assert lines[-1] == "resume_bitwise=True", done.stdout

@@ -613,3 +613,30 @@ def test_a_compiled_ddp_step_on_two_gloo_ranks_matches_the_eager_ddp_step():
         assert r["fused"] is False and r["compilations"] == 2  # gradient graph, update graph
         assert_close_params(r["compiled"], r["eager"])
     assert_equal_trees(ranks[0]["compiled"], ranks[1]["compiled"])  # the ranks stay in sync
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optim.adamw(1e-2, weight_decay=0.1),
+        optim.adam(1e-2, amsgrad=True),
+        optim.adam(1e-2, maximize=True, weight_decay=0.01),
+        optim.adam(optim.schedules.cosine(1e-2, 10)),
+    ],
+    ids=["adamw", "amsgrad", "maximize_l2", "cosine_lr"],
+)
+def test_traced_adam_keeps_its_count_scalars_as_tensors_and_matches_eager(tx, donate):
+    """Traced, Adam computes its bias corrections and step size as 0-d tensors (so inductor
+    does not recompute the count's powers per element); every variant still follows the
+    eager update to float32 rounding over 12 steps."""
+    batches = data(batches=4) * 3
+    finals = []
+    for comp in (False, {"backend": "aot_eager"}):
+        state = engine.init(mlp(), tx)
+        step = engine.train_step(mlp(), loss_fn, tx, compile=comp, donate=donate)
+        for b in batches:
+            state, _ = step(state, b)
+        finals.append(state.params)
+    for name in finals[0]:
+        torch.testing.assert_close(finals[1][name], finals[0][name], rtol=1e-5, atol=1e-6)

@@ -3,6 +3,8 @@ determinism. Tiny models and data; progress bar and model summary off unless tes
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -872,3 +874,16 @@ def test_fit_without_training_data_fails_before_anything_runs():
     with pytest.raises(ValueError, match="fit needs training data"):
         t.fit(net(), loss_fn, optim.sgd(0.1), None, loader(8))
     assert rec.names() == []
+
+
+def test_deterministic_sets_the_cublas_workspace_unless_the_user_did(monkeypatch):
+    """As Lightning: deterministic cuBLAS matmuls need ``CUBLAS_WORKSPACE_CONFIG``; the
+    Trainer sets ``:4096:8`` when it is unset and leaves a user's value alone."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    trainer(max_epochs=1, deterministic=False).fit(net(), loss_fn, optim.sgd(0.1), loader(8))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    trainer(max_epochs=1, deterministic=True).fit(net(), loss_fn, optim.sgd(0.1), loader(8))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    trainer(max_epochs=1, deterministic="warn").fit(net(), loss_fn, optim.sgd(0.1), loader(8))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"

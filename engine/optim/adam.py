@@ -155,10 +155,19 @@ def _adam(
             if "beta2" in live:
                 spread = ops._foreach_sub(v_in, ops._foreach_mul(g, g))
                 v = _util.with_tangent(v, _util.tangent(live["beta2"]), spread)
-        bias_correction1 = 1 - beta1**t
-        bias_correction2 = 1 - beta2**t
-        step_size = (lr / bias_correction1) * -1
-        bias_correction2_sqrt = bias_correction2**0.5
+        if torch.compiler.is_compiling():
+            # traced, the count is symbolic: as Python numbers inductor would recompute these
+            # double-precision powers of it for every vector of each elementwise loop; as
+            # 0-d tensors it computes them once per call
+            count = torch.full((), t, dtype=torch.float64)
+            bias_correction1 = 1 - beta1**count
+            bias_correction2_sqrt = ((1 - beta2**count) ** 0.5).float()
+            step_size = ((lr / bias_correction1) * -1).float()
+        else:
+            bias_correction1 = 1 - beta1**t
+            bias_correction2 = 1 - beta2**t
+            step_size = (lr / bias_correction1) * -1
+            bias_correction2_sqrt = bias_correction2**0.5
         if amsgrad:
             if donate:
                 ops._foreach_maximum_(vmax, v)
@@ -188,7 +197,15 @@ def _adam(
         if live and ("lr" in live or "beta1" in live):
             lr_x, b1_x = live.get("lr", lr), live.get("beta1", beta1)
             step_tangent = _util.tangent(-(lr_x / (1 - b1_x**t)))
-        if fused:
+        if fused and isinstance(step_size, Tensor):  # traced: addcdiv takes no tensor value
+            ratio = ops._foreach_div(m, denom)
+            ops._foreach_mul_(ratio, step_size)
+            if donate or (decoupled and weight_decay != 0):
+                ops._foreach_add_(p, ratio)
+                out = p
+            else:
+                out = ops._foreach_add(p, ratio)
+        elif fused:
             if donate or (decoupled and weight_decay != 0 and not diff):
                 ops._foreach_addcdiv_(p, m, denom, step_size)
                 out = p
