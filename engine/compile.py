@@ -107,6 +107,7 @@ class _Fused:
     params: dict[str, Tensor]
     opt_state: Any
     norms: tuple[Tensor, ...] | None
+    buffers: dict[str, Tensor]
 
 
 class _FusedGradients(Gradients):
@@ -313,7 +314,8 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         acc = state.grad_accum if micro > 0 else None
         buffers = state.buffers
         graph = self._whole_graph(k if k > 1 else 1, acc is not None, keep_grads, state)
-        versions = self._versions(state)
+        written = self._donate_backward  # the graph writes the donated state itself
+        versions = None if written else self._versions(state)
         try:
             with rng.scope(key, generators=self._rng_generators), self._ambient(True):
                 out = graph(state.params, buffers, state.opt_state, acc, batch)
@@ -323,11 +325,14 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
                 raise
             return self._fused_failed(exc, state, batch, end_window)
         self._verified = True
-        self._check_versions(state, versions, written=self._donate_backward)
+        self._check_versions(state, versions, written=written)
         new_trainable, opt_state, new_buffers, grads, loss, metrics, norms = out
-        output = self._output_type(loss, metrics, None, True, False)
-        state = state.replace(buffers=new_buffers)
-        fused = _Fused(self._merged(state.params, new_trainable), opt_state, norms)
+        # Called whole (not keep_grads), ``apply`` follows at once: the norms go in the
+        # output now and the new buffers with the rest of the new state (one replace).
+        output = self._output_type(loss, metrics, None if keep_grads else norms, True, False)
+        if keep_grads:
+            state = state.replace(buffers=new_buffers)
+        fused = _Fused(self._merged(state.params, new_trainable), opt_state, norms, new_buffers)
         return state, _FusedGradients(grads, True, output, n, fused)  # type: ignore[arg-type]
 
     def _fused_failed(self, exc, state, batch, end_window):
@@ -364,9 +369,9 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         )
 
     def _check_versions(self, state: TrainState, versions: Any, written: bool = False) -> None:
-        param_versions, kept, kept_versions = versions
         if written:
             return  # the graph wrote the donated parameters itself
+        param_versions, kept, kept_versions = versions
         if [p._version for p in state.params.values()] != param_versions:
             raise_params_modified(modified_in_place(state.params, param_versions))
         changed = modified_in_place(kept, kept_versions)
@@ -461,10 +466,13 @@ class CompiledTrainStep(_CompileCounts, TrainStep):
         new_state = state.replace(
             params=fused.params,
             opt_state=fused.opt_state,
+            buffers=fused.buffers,
             progress=advance_progress(state.progress, grads.batch_size, True),
             grad_accum=None,
         )
-        return new_state, output.replace(grad_norms=fused.norms)
+        if output.grad_norms is None and fused.norms is not None:
+            output = output.replace(grad_norms=fused.norms)
+        return new_state, output
 
 
 def compiled(step: Any, options: Any = True) -> Any:

@@ -175,4 +175,5 @@ def test_gpu_check_resume_snippet_resumes_bitwise_on_the_cpu() -> None:
     lines = done.stdout.strip().splitlines()
     assert "steps: uninterrupted 24, resumed 24" in lines
     assert "deterministic algorithms during fit: True" in done.stdout
+    assert "CUBLAS_WORKSPACE_CONFIG during fit: None" not in done.stdout  # the Trainer set it
     assert lines[-1] == "resume_bitwise=True", done.stdout
