@@ -62,6 +62,7 @@ class _Backend:
         elif options.options:
             raise ValueError("options (inductor config patches) apply to the inductor backend")
         self._patches = patches
+        self._direct: list[Any] = []  # the DirectCalls of this backend's graphs
         self._inner = (
             options.backend
             if callable(options.backend)
@@ -69,6 +70,11 @@ class _Backend:
             if options.backend != "inductor"
             else None
         )
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: the graphs' direct entries go with dynamo's."""
+        for direct in self._direct:
+            direct.forget()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         start = time.perf_counter()
@@ -181,6 +187,8 @@ class _Graph:
             options={"guard_filter_fn": compile_guards.guard_filter(inputs)} if floor else None,
         )
         self._direct = compile_guards.DirectCalls(fresh) if floor and opts.fullgraph else None
+        if self._direct is not None:
+            backend._direct.append(self._direct)
 
     def __call__(self, *args: Any) -> Any:
         direct = self._direct

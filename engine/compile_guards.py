@@ -14,17 +14,21 @@ can change from one call to the next and drops the others when a graph is compil
   as dynamic (an lr schedule's phase), and every guard on a *value* read from elsewhere (a
   Python number or flag an outside object holds, such as a LightningModule's
   ``current_epoch``; a container's length or keys);
-- dropped: guards on the *identity* of the step's own code and objects (that a function, a
-  module, a class or a builtin is the same object, that a module has no hooks, that an
-  instance attribute does not shadow a method, that two of the step's objects alias).
+- dropped: guards on the *identity* of the step's own code (that a function, a module, a
+  class, an ``nn.Module`` or a builtin is the same object, that a module has no hooks, that
+  an instance attribute does not shadow a method, that two of the step's objects alias).
+  Identity guards on data stay: an enum member, a key added to a plain dict, an instance
+  attribute shadowing a class-level number.
 
 A changed input or value fails its guard and goes through dynamo's normal path: the
 recompilation, as before. What the floor assumes is the contract a step already has: do not
 swap the model's modules, register hooks on it or monkeypatch the functions it calls after
-the step is built (build a new step instead). ``guards="dynamo"`` keeps every guard.
+the step is built, of any kind (build a new step instead). ``guards="dynamo"`` keeps every
+guard. ``torch._dynamo.reset()`` empties the engine's entries with dynamo's.
 
 On top of that, a compiled call skips torch.compile's per-call entry when it can: the
-engine checks the (filtered) guards of the graphs compiled so far itself, in dynamo's order,
+engine checks the (filtered) guards of the graphs compiled so far itself, most recently hit
+first (as dynamo orders them),
 and runs the chosen graph's code directly; when none passes, the call goes through
 torch.compile, which recompiles. It needs ``fullgraph=True`` (no resume functions to trace)
 and dynamo's cache entries readable; where either is missing the call goes through
@@ -33,6 +37,8 @@ torch.compile every time, with the same filtered guards.
 
 from __future__ import annotations
 
+import enum
+import functools
 import inspect
 import re
 import types
@@ -47,7 +53,8 @@ __all__ = ["DROPPED_GUARDS", "GUARD_MODES", "guard_filter", "supports_guard_filt
 GUARD_MODES = ("engine", "dynamo")
 
 #: dynamo's guard kinds that check the identity of an object rather than a value; dropped
-#: when the object is not one of the step's inputs
+#: when the object is not one of the step's inputs and is code (a function, a module, a
+#: class, an ``nn.Module``, ...), not data (an enum member, a number, a tensor)
 DROPPED_GUARDS = frozenset(
     {
         "BUILTIN_MATCH",
@@ -63,6 +70,47 @@ DROPPED_GUARDS = frozenset(
         "NOT_PRESENT_IN_GENERIC_DICT",
     }
 )
+
+#: kinds dropped whatever their value (the step's own aliasing and hooks)
+_ALWAYS_DROPPED = frozenset({"DUPLICATE_INPUT", "EMPTY_NN_MODULE_HOOKS_DICT"})
+
+_CODE_TYPES = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    types.CodeType,
+    functools.partial,
+    type,
+    torch.nn.Module,
+)
+
+
+def _is_code(value: Any) -> bool:
+    return isinstance(value, _CODE_TYPES) and not isinstance(value, enum.Enum)
+
+
+def _identity_of_code(entry: Any) -> bool:
+    """Whether a guard of a ``DROPPED_GUARDS`` kind checks code (droppable) rather than
+    data: an enum member compared by identity, a key added to a plain dict, an instance
+    attribute shadowing a class-level number are data and stay guarded."""
+    kind = entry.guard_type
+    if kind in _ALWAYS_DROPPED:
+        return True
+    if kind == "DICT_NOT_CONTAINS":  # a class's or an object's ``__dict__``: a shadowed method
+        return "__dict__" in entry.name or entry.name.startswith("dict(")
+    if not getattr(entry, "has_value", False):
+        return kind in ("MODULE_MATCH", "BUILTIN_MATCH", "CLASS_MATCH", "CLOSURE_MATCH")
+    value = entry.value
+    if kind == "NOT_PRESENT_IN_GENERIC_DICT":  # ``value`` has no instance attribute ``attr``
+        create = getattr(entry.orig_guard, "create_fn", None)
+        attr = getattr(create, "keywords", {}).get("attr") if create is not None else None
+        if attr is None:
+            return False
+        default = inspect.getattr_static(type(value), attr, None)
+        return callable(default) or hasattr(default, "__get__")  # a method or descriptor
+    return _is_code(value)
+
 
 _ROOT = re.compile(r"[.\[]")
 
@@ -86,7 +134,8 @@ def guard_filter(inputs: Sequence[str]) -> Callable[[Sequence[Any]], list[bool]]
         out = []
         for entry in entries:
             on_input = not entry.is_global and _ROOT.split(entry.name, 1)[0] in names
-            out.append(on_input or entry.guard_type not in DROPPED_GUARDS)
+            dropped = entry.guard_type in DROPPED_GUARDS and _identity_of_code(entry)
+            out.append(on_input or not dropped)
         return out
 
     return keep
@@ -129,20 +178,32 @@ class DirectCalls:
             entries.append((entry.guard_manager.check, run))
         self._entries = entries
 
+    def forget(self) -> None:
+        """Drop the entries read (``torch._dynamo.reset()`` emptied dynamo's caches: the
+        next call goes through torch.compile and compiles anew)."""
+        self._entries = []
+
     def run(self, args: tuple[Any, ...]) -> Any:
         entries = self._entries
         if not entries or not _default_stance():
             return self.MISS
         frame = dict(self._frame)
         frame.update(zip(self._inputs, args))
-        for check, run in entries:
-            if check(frame):
-                return run(*args)
+        for i, entry in enumerate(entries):
+            if entry[0](frame):
+                if i:  # dynamo moves a hit to the front of its list: so does this
+                    entries.insert(0, entries.pop(i))
+                return entry[1](*args)
         return self.MISS
 
 
 def _default_stance() -> bool:
-    """False under ``torch.compiler.set_stance`` other than the default (force_eager, ...):
+    """False under ``torch.compiler.set_stance`` other than the default (force_eager,
+    force_backend, ...):
     those go through torch.compile, which applies them."""
     stance = getattr(torch._dynamo.eval_frame, "_stance", None)
-    return stance is None or (stance.stance == "default" and not stance.skip_guard_eval_unsafe)
+    return stance is None or (
+        stance.stance == "default"
+        and not stance.skip_guard_eval_unsafe
+        and getattr(stance, "backend", None) is None
+    )
