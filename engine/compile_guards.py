@@ -28,11 +28,10 @@ guard. ``torch._dynamo.reset()`` empties the engine's entries with dynamo's.
 
 On top of that, a compiled call skips torch.compile's per-call entry when it can: the
 engine checks the (filtered) guards of the graphs compiled so far itself, most recently hit
-first (as dynamo orders them),
-and runs the chosen graph's code directly; when none passes, the call goes through
-torch.compile, which recompiles. It needs ``fullgraph=True`` (no resume functions to trace)
-and dynamo's cache entries readable; where either is missing the call goes through
-torch.compile every time, with the same filtered guards.
+first (as dynamo orders them), and runs the chosen graph's code directly; when none
+passes, the call goes through torch.compile, which recompiles. It needs ``fullgraph=True``
+(no resume functions to trace) and dynamo's cache entries readable; where either is missing
+the call goes through torch.compile every time, with the same filtered guards.
 """
 
 from __future__ import annotations
@@ -47,10 +46,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DROPPED_GUARDS", "GUARD_MODES", "guard_filter", "supports_guard_filter"]
+from .compile_options import GUARD_MODES
 
-#: the values of ``CompileOptions.guards``
-GUARD_MODES = ("engine", "dynamo")
+__all__ = ["DROPPED_GUARDS", "GUARD_MODES", "guard_filter", "supports_guard_filter"]
 
 #: dynamo's guard kinds that check the identity of an object rather than a value; dropped
 #: when the object is not one of the step's inputs and is code (a function, a module, a
@@ -144,10 +142,10 @@ def guard_filter(inputs: Sequence[str]) -> Callable[[Sequence[Any]], list[bool]]
 class DirectCalls:
     """The graphs dynamo compiled for one function, called without torch.compile's entry.
 
-    ``run(args)`` checks each cache entry's guards (as filtered when it was compiled) in
-    dynamo's order and runs the first passing entry's code as a plain function; it returns
-    ``MISS`` when none passes or the entries are unknown, and the caller goes through
-    torch.compile (then ``refresh()``)."""
+    ``run(args)`` checks each cache entry's guards (as filtered when it was compiled), most
+    recently hit first as dynamo does, and runs the first passing entry's code as a plain
+    function; it returns ``MISS`` when none passes or the entries are unknown, and the
+    caller goes through torch.compile (then ``refresh()``)."""
 
     MISS = object()
 
@@ -198,9 +196,8 @@ class DirectCalls:
 
 
 def _default_stance() -> bool:
-    """False under ``torch.compiler.set_stance`` other than the default (force_eager,
-    force_backend, ...):
-    those go through torch.compile, which applies them."""
+    """False under a ``torch.compiler.set_stance`` other than the default (force_eager,
+    force_backend, ...): those calls go through torch.compile, which applies the stance."""
     stance = getattr(torch._dynamo.eval_frame, "_stance", None)
     return stance is None or (
         stance.stance == "default"

@@ -11,7 +11,10 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["CompileError", "CompileOptions", "compile_options"]
+__all__ = ["CompileError", "CompileOptions", "GUARD_MODES", "compile_options"]
+
+#: the values of ``CompileOptions.guards`` (see ``engine.compile_guards``)
+GUARD_MODES = ("engine", "dynamo")
 
 
 class CompileError(RuntimeError):
@@ -60,7 +63,7 @@ class CompileOptions:
             raise TypeError(f"fullgraph must be a bool, got {self.fullgraph!r}")
         if self.options is not None and not isinstance(self.options, Mapping):
             raise TypeError(f"options must be a mapping, got {type(self.options).__name__}")
-        if self.guards not in ("engine", "dynamo"):
+        if self.guards not in GUARD_MODES:
             raise ValueError(f"guards must be 'engine' or 'dynamo', got {self.guards!r}")
 
 
