@@ -345,7 +345,7 @@ class TrainStep:
             state = state.replace(buffers=new_buffers)
             return state, Gradients(grads, True, output, n, None)
         if strategy.world_size > 1:
-            grads = strategy.all_reduce(grads, "mean")
+            grads = self._reduced(grads)
         finite = True
         precision_state = state.precision
         if scaler is not None:
@@ -402,6 +402,11 @@ class TrainStep:
         if not isinstance(state, TrainState):
             raise TypeError(f"expected a TrainState, got {type(state).__name__}")
         self.binder.check(state.params, state.buffers)
+
+    def _reduced(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The window's gradients averaged over the ranks (a strategy's step may have
+        reduced them during the backward pass already, e.g. DDP's buckets)."""
+        return self.strategy.all_reduce(grads, "mean")
 
     def _samples(self, batch: Any) -> int:
         """The samples ``batch`` adds to ``Progress.samples``."""

@@ -81,11 +81,13 @@ from torch import nn
 
 from purestep.engine import metrics
 from purestep.engine.loss_scale import DynamicLossScale
-from purestep.engine.step import TrainStep
 from purestep.engine.strategy import Precision, Strategy
 from purestep.engine.tree import PyTree, flatten_with_paths
 
+from .cluster import launcher
 from .collectives import all_reduce_tree, broadcast_tree, check_op, diagnosed
+from .ddp_step import DDPTrainStep
+from .grad_buckets import DEFAULT_BUCKET_CAP_MB, BucketLayout, CommHook, resolve_comm_hook
 from .group import Formation
 from .precision import precision as make_precision
 from .process_env import ProcessEnv
@@ -116,9 +118,16 @@ class DDP(Strategy):
         owns_group: bool = False,
         shared: SharedGroup | None = None,
         per_run: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        comm_hook: str | CommHook | None = None,
+        comm_state: Any = None,
+        overlap: bool = True,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
     ) -> None:
         if buffers not in BUFFER_MODES:
             raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
+        BucketLayout.check_cap(bucket_cap_mb)
         if owns_group and shared is None:
             raise ValueError("owns_group=True needs the group's SharedGroup (use hardware.ddp())")
         self.rank = rank
@@ -130,6 +139,16 @@ class DDP(Strategy):
         self.timeout = timeout
         self.sync_batchnorm = sync_batchnorm
         self.buffers = buffers
+        #: Gradient buckets' size in MiB (torch DDP's ``bucket_cap_mb``; the first is 1 MiB).
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        #: ``hook(comm_state, bucket) -> Future`` reducing a bucket (torch's comm-hook form).
+        self.comm_hook = resolve_comm_hook(comm_hook)
+        self.comm_state = comm_state
+        #: Whether buckets are reduced during the backward pass (else after it).
+        self.overlap = bool(overlap)
+        #: Torch's flags, with its meaning (see ``ddp()``).
+        self.static_graph = bool(static_graph)
+        self.find_unused_parameters = bool(find_unused_parameters)
         # The group purestep formed, shared with every other DDP value that formed or
         # adopted it; None for a group the user or hardware.launch formed (never destroyed).
         self._shared = shared
@@ -202,6 +221,8 @@ class DDP(Strategy):
     # ------------------------------------------------------------------ steps
 
     def build_train_step(self, model: Any, loss_fn: Any, optimizer: Any, **kwargs: Any) -> Any:
+        if self.find_unused_parameters and not kwargs.get("allow_unused"):
+            kwargs["allow_unused"] = True  # an unused parameter's gradient reduces as zero
         return DDPTrainStep(model, loss_fn, optimizer, strategy=self, **kwargs)
 
     # ------------------------------------------------------------------ collectives
@@ -371,17 +392,6 @@ def _first_difference(ours: list, theirs: list, rank: int) -> str:
     return "unknown difference"
 
 
-class DDPTrainStep(TrainStep):
-    """``engine.TrainStep`` under DDP.
-
-    The gradients are averaged by ``TrainStep`` itself (one ``all_reduce`` per optimizer
-    step), and after every call it passes the new buffers through
-    ``DDP.sync_step_buffers``, the ``buffers=`` policy. Note that the default policy
-    ("broadcast") sends every buffer on every micro-batch, constant ones (masks, rotary
-    tables) included, and hands the step new buffer tensors each call.
-    """
-
-
 # ---------------------------------------------------------------------- construction
 
 
@@ -480,6 +490,13 @@ def ddp(
     buffers: str = "broadcast",
     loss_scale: DynamicLossScale | None = None,
     per_run: bool = False,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    comm_hook: str | CommHook | None = None,
+    comm_state: Any = None,
+    overlap: bool = True,
+    static_graph: bool = False,
+    find_unused_parameters: bool = False,
+    cluster: Any = None,
 ) -> DDP:
     """This process's rank of a data-parallel run, with the process group initialised.
 
@@ -490,6 +507,20 @@ def ddp(
     default ``cuda:LOCAL_RANK`` when CUDA is available, else CPU. ``buffers``: one of
     ``BUFFER_MODES`` (see the module docstring). ``per_run``: a Trainer run releases the
     group at its end (``DDP.run_scope``).
+
+    Gradient reduction, as torch DDP's: ``bucket_cap_mb`` (default 25; the first bucket
+    1 MiB) sizes the buckets, reduced during the backward pass (``overlap=False``: after
+    it). ``comm_hook``: "fp16" or "bf16" (torch's compression hooks: the bucket is cast,
+    divided by the world size, all-reduced and cast back) or any torch comm hook
+    ``hook(comm_state, bucket) -> Future`` (e.g. from
+    ``torch.distributed.algorithms.ddp_comm_hooks``). ``find_unused_parameters=True``:
+    parameters the loss does not use get a zero gradient (reduced with the others)
+    instead of an error. ``static_graph``: accepted for torch's meaning (the graph is the
+    same every step); the bucket layout is static in any case (see
+    ``hardware.grad_buckets``), so it changes nothing here.
+
+    ``cluster``: who started the processes (``hardware.cluster``: a value or a name such as
+    ``"slurm"``; default: detected), kept as ``.cluster`` (SLURM auto-requeue reads it).
     """
     seconds = None if timeout is None else _seconds(timeout)
     if buffers not in BUFFER_MODES:
@@ -500,10 +531,8 @@ def ddp(
     shared = None
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-        try:
-            local_rank = ProcessEnv.from_environ().local_rank
-        except RuntimeError:
-            local_rank = rank
+        chosen, env = launcher(cluster, optional=True)  # None: a group formed by hand
+        local_rank = env.local_rank if env is not None else rank
         dev = _device(device, local_rank)
         active = str(dist.get_backend())
         if backend is not None and backend != active:
@@ -523,7 +552,7 @@ def ddp(
                 shared.formation.timeout = seconds
     else:
         seconds = DEFAULT_TIMEOUT if seconds is None else seconds
-        env = ProcessEnv.from_environ()
+        chosen, env = launcher(cluster)
         rank, world, local_rank = env.rank, env.world_size, env.local_rank
         dev = _device(device, local_rank)
         backend = backend if backend is not None else _default_backend(dev)
@@ -554,7 +583,7 @@ def ddp(
         if isinstance(precision, Precision)
         else make_precision(precision, dev, loss_scale=loss_scale)
     )
-    return DDP(
+    value = DDP(
         rank=rank,
         world_size=world,
         local_rank=local_rank,
@@ -567,27 +596,35 @@ def ddp(
         owns_group=shared is not None,
         shared=shared,
         per_run=per_run,
+        bucket_cap_mb=bucket_cap_mb,
+        comm_hook=comm_hook,
+        comm_state=comm_state,
+        overlap=overlap,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
     )
+    value.cluster = chosen  # who started the processes (None: a group formed by hand)
+    return value
 
 
-def ddp_from_flags(use_cuda: bool, devices: Any, count: int | None, precision: Any) -> DDP:
+def ddp_from_flags(
+    use_cuda: bool, devices: Any, count: int | None, precision: Any, cluster: Any = None
+) -> DDP:
     """``ddp()`` for the Trainer's flags: ``devices`` must agree with the processes started
-    on this machine (``LOCAL_WORLD_SIZE``); a list of indices maps ``LOCAL_RANK`` to a GPU."""
-    try:
-        env: ProcessEnv | None = ProcessEnv.from_environ()
-    except RuntimeError:
-        if not dist.is_initialized():
-            raise
-        env = None  # a group made by hand, without the torchrun variables
+    on this machine (``LOCAL_WORLD_SIZE``); a list of indices maps ``LOCAL_RANK`` to a GPU.
+    ``cluster``: as ``ddp()``'s (``Trainer(plugins=[SLURMEnvironment()])``)."""
+    # None: a group made by hand, without a launcher's variables
+    env: ProcessEnv | None = launcher(cluster, optional=dist.is_initialized())[1]
     local_rank = env.local_rank if env is not None else 0
     local_world = env.local_world_size if env is not None else None
     if count not in (None, -1) and local_world is not None and count != local_world:
         raise ValueError(
             f"devices={devices!r} asks for {count} process(es) on this machine but "
-            f"{local_world} were started; match torchrun's --nproc_per_node to devices"
+            f"{local_world} were started; match torchrun's --nproc_per_node (srun's "
+            "--ntasks-per-node) to devices"
         )
     device: str | torch.device = "cuda" if use_cuda else "cpu"
     if use_cuda and isinstance(devices, (list, tuple)):
         device = torch.device("cuda", int(devices[local_rank]))
     # The Trainer made this value: each of its runs destroys the group at its end.
-    return ddp(precision=precision, device=device, per_run=True)
+    return ddp(precision=precision, device=device, per_run=True, cluster=cluster)
