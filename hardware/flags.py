@@ -1,8 +1,15 @@
 """Turn the Trainer's ``accelerator`` / ``devices`` / ``strategy`` / ``precision`` flags into a
-strategy value."""
+strategy value.
+
+A cluster environment (``hardware.cluster``: ``Trainer(plugins=[SLURMEnvironment()])``, or
+``cluster=`` here) chooses who started the processes instead of detecting it; it goes to
+``strategy="ddp"`` / ``"fsdp"`` (``"auto"`` then means ``"ddp"``: a cluster environment
+means several processes).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,7 +21,7 @@ from .fsdp import fsdp_from_flags
 from .precision import _ALIASES
 from .single import single_device
 
-__all__ = ["from_flags"]
+__all__ = ["WithCluster", "from_flags"]
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
@@ -31,17 +38,54 @@ def _device_count(devices: Any) -> int | None:
     raise ValueError(f"devices must be 'auto', an int or a list of device indices, got {devices!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class WithCluster:
+    """A ``strategy`` flag together with the cluster environment to start it in (what
+    ``Trainer(plugins=[...])`` hands ``from_flags`` as its strategy)."""
+
+    strategy: Any
+    cluster: Any
+
+
 def from_flags(
     accelerator: str = "auto",
     devices: Any = "auto",
     strategy: Any = "auto",
     precision: Any = None,
+    cluster: Any = None,
 ) -> Strategy:
     """The strategy the flags describe (one device here; several processes need "ddp").
 
     ``precision=None`` means "32-true". A ready ``Strategy`` value is used as it is; asking
     for another precision alongside it is an error (the strategy carries its precision).
+    ``cluster``: a cluster environment or its name (``hardware.cluster.resolve``) for
+    ``"ddp"`` / ``"fsdp"`` / ``"auto"``; a ready strategy value must have been made with
+    the same one.
     """
+    if isinstance(strategy, WithCluster):
+        if cluster is not None and cluster != strategy.cluster:
+            raise ValueError(
+                f"two cluster environments: {cluster!r} and {strategy.cluster!r}; pass one"
+            )
+        strategy, cluster = strategy.strategy, strategy.cluster
+    if cluster is not None:
+        from .cluster import resolve
+
+        cluster = resolve(cluster)  # a name becomes its value; a wrong one is an error
+        if isinstance(strategy, Strategy) and getattr(strategy, "cluster", None) != cluster:
+            raise ValueError(
+                f"the cluster environment {cluster!r} cannot change a ready strategy value "
+                f"(its processes were already started with "
+                f"{getattr(strategy, 'cluster', None)!r}); pass it when making the "
+                "strategy: hardware.ddp(cluster=...) or hardware.fsdp(cluster=...)"
+            )
+        if strategy == "auto":
+            strategy = "ddp"
+        elif strategy == "single_device":
+            raise ValueError(
+                f"strategy='single_device' runs one process; the cluster environment "
+                f"{cluster!r} needs strategy='ddp' or 'fsdp'"
+            )
     if isinstance(strategy, Strategy):
         own = getattr(getattr(strategy, "precision", None), "name", None)
         if precision is not None and own is not None and _ALIASES.get(precision, precision) != own:
@@ -63,9 +107,9 @@ def from_flags(
     if count is not None and count < 1 and count != -1:
         raise ValueError(f"devices must be at least 1 (or -1 for all), got {devices!r}")
     if strategy == "ddp":
-        return ddp_from_flags(use_cuda, devices, count, precision)
+        return ddp_from_flags(use_cuda, devices, count, precision, cluster)
     if strategy == "fsdp":
-        return fsdp_from_flags(use_cuda, devices, count, precision)
+        return fsdp_from_flags(use_cuda, devices, count, precision, cluster)
     if strategy not in ("auto", "single_device"):
         raise ValueError(
             f"unknown strategy {strategy!r}; use 'auto', 'single_device', 'ddp', 'fsdp' or a "

@@ -4,7 +4,9 @@
 processes), ``WORLD_SIZE`` (how many there are), ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` (the
 same on this machine; ``LOCAL_RANK`` picks the GPU) and ``MASTER_ADDR`` / ``MASTER_PORT``
 (where rank 0 listens for the others to meet). ``ProcessEnv.from_environ`` reads them with
-one clear error when they are missing or inconsistent; ``to_environ`` writes them.
+one clear error when they are missing or inconsistent; ``to_environ`` writes them. Other
+launchers (``srun``, ``jsrun``, ``mpirun``) say the same in their own variables:
+``hardware.cluster.process_env()`` detects which one started the process and reads its.
 """
 
 from __future__ import annotations

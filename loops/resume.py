@@ -45,7 +45,9 @@ can write them) and from a folder before it first writes there. ``validate``/``t
 Preemption: during ``fit``, SIGTERM and SIGUSR1 (configurable) only set a flag; at the next
 commit point (the end of the current batch) the run writes ``last.ckpt`` in its checkpoint
 folder and exits with ``PREEMPTED_EXIT_CODE`` (75, "try again later"). Launching the same
-command again with ``ckpt_path="last"`` resumes from it.
+command again with ``ckpt_path="last"`` resumes from it. In a SLURM job with auto-requeue
+(``hardware.SLURMEnvironment``), the requeue signal also makes rank 0 run ``scontrol
+requeue`` after the checkpoint, and every process exits 0 (``loops.slurm_requeue``).
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ from . import loop_state
 from .callbacks.checkpoint import ModelCheckpoint
 from .checkpoint_removal import remove_checkpoint
 from .ckpt_path import CKPT_KEYWORDS, missing_checkpoint, resumable
+from .slurm_requeue import SlurmRequeue
 from .task import saved_data
 
-__all__ = ["CKPT_KEYWORDS", "PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted"]
+__all__ = ["CKPT_KEYWORDS", "PREEMPTED_EXIT_CODE", "Checkpointing", "Preempted", "Requeued"]
 
 PREEMPTED_EXIT_CODE = 75
 
@@ -91,6 +94,19 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
         return f"preempted by {name}: checkpoint written to {self.path}"
+
+
+class Requeued(Preempted):
+    """A ``Preempted`` that exits with code 0: SLURM requeued the job (``loops.slurm_requeue``)."""
+
+    def __init__(self, path: str, signum: int, job: str) -> None:
+        super().__init__(path, signum)
+        SystemExit.__init__(self, 0)
+        self.job = job
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"requeued SLURM job {self.job} on {name}: checkpoint written to {self.path}"
 
 
 class Checkpointing:
@@ -578,9 +594,11 @@ class Checkpointing:
         """Catch the preemption signals for the duration of a fit (main thread only) and
         checkpoint then exit at the next commit point after one arrives."""
         self._signal = None
+        requeue = SlurmRequeue.for_fit(self.strategy, self.signals)
+        signals = self.signals + ((requeue.signal,) if requeue is not None else ())
         installed: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
+            for signum in dict.fromkeys(signals):
                 installed[signum] = signal.signal(signum, self._on_signal)
 
         def at_commit(state: TrainState, drv: Any) -> None:
@@ -592,6 +610,9 @@ class Checkpointing:
             path = self._preemption_path(callbacks, state, drv)
             self.save(state, path, drv)
             self.wait()
+            job = requeue.after_checkpoint(self._signal, drv, path) if requeue else None
+            if job is not None:  # SLURM took the job back: every process exits 0
+                raise Requeued(path, requeue.signal, job)
             drv.say(
                 f"Preempted: checkpoint written to {path}; exiting with code "
                 f"{PREEMPTED_EXIT_CODE}. Resume with ckpt_path='last'."

@@ -13,6 +13,11 @@ way, and ``from_argparse_args(cls, args, **overrides)`` builds a Trainer from th
 An unknown flag name is a ``TypeError``: a Lightning flag this Trainer spells otherwise (or
 does not have) names its replacement (``LIGHTNING_FLAGS``); any other name gets the closest
 known flag.
+
+Of Lightning's ``plugins=`` only cluster environments are taken
+(``Trainer(strategy="ddp", plugins=[hardware.SLURMEnvironment(auto_requeue=False)])``,
+``hardware.cluster``): one plugin or a list, at most one cluster environment, handed to the
+strategy flag (``hardware.flags.WithCluster``). Any other plugin is refused as before.
 """
 
 from __future__ import annotations
@@ -88,7 +93,10 @@ LIGHTNING_FLAGS: dict[str, str] = {
     "distributed_backend": 'use strategy="ddp"',
     "truncated_bptt_steps": _NOT_YET,
     "stochastic_weight_avg": "use callbacks=[StochasticWeightAveraging(swa_lrs=...)]",
-    "plugins": f"{_NOT_YET}: pass precision=... or a hardware strategy value as strategy=...",
+    "plugins": (
+        f"{_NOT_YET} except cluster environments (hardware.SLURMEnvironment(), ...): pass "
+        "precision=... or a hardware strategy value as strategy=..."
+    ),
     "reload_dataloaders_every_epoch": "use reload_dataloaders_every_n_epochs=1",
 }
 
@@ -183,6 +191,7 @@ def defaults_from_env(init: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        cluster = _take_cluster_plugin(kwargs)
         check_flag_names(kwargs, names, type(self).__name__)
         check_environment(names)
         bound = signature.bind_partial(self, *args, **kwargs)
@@ -195,6 +204,10 @@ def defaults_from_env(init: Callable[..., Any]) -> Callable[..., Any]:
             if text:
                 kwargs[name] = parse_flag(text, annotations[name], var)
                 from_env.append(f"{var}={text!r}")
+        if cluster is not None:
+            from purestep.hardware.flags import WithCluster
+
+            kwargs["strategy"] = WithCluster(kwargs.get("strategy", "auto"), cluster)
         try:
             init(self, *args, **kwargs)
         except (TypeError, ValueError) as e:
@@ -203,6 +216,27 @@ def defaults_from_env(init: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     return wrapper
+
+
+def _take_cluster_plugin(kwargs: dict[str, Any]) -> Any:
+    """Take ``plugins`` out of ``kwargs`` if it holds only cluster environments (Lightning's
+    ``plugins=[SLURMEnvironment()]``); return the one it holds (None for none). Any other
+    plugin is left in place for ``check_flag_names`` to refuse."""
+    if "plugins" not in kwargs:
+        return None
+    from purestep.hardware.cluster import ClusterEnvironment
+
+    given = kwargs["plugins"]
+    items = list(given) if isinstance(given, (list, tuple)) else [given]
+    if not all(isinstance(item, ClusterEnvironment) for item in items):
+        return None
+    if len(items) > 1:
+        raise ValueError(
+            f"plugins= holds {len(items)} cluster environments "
+            f"({', '.join(map(repr, items))}); pass one"
+        )
+    del kwargs["plugins"]
+    return items[0] if items else None
 
 
 def add_argparse_args(
@@ -243,7 +277,10 @@ def from_argparse_args(
     namespace may hold the script's own options; ``overrides`` win and must be flags)."""
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     names = flag_names(cls.__init__)
+    cluster = _take_cluster_plugin(overrides)
     check_flag_names(overrides, names, cls.__name__)
     flags = {k: v for k, v in given.items() if k in names}
     flags.update(overrides)
+    if cluster is not None:
+        flags["plugins"] = [cluster]
     return cls(**flags)

@@ -217,11 +217,11 @@ class TrainerProperties:
 
     @property
     def node_rank(self) -> int:
-        """The index of this process's node: ``NODE_RANK``, else torchrun's ``GROUP_RANK``
-        (0 for a single process)."""
+        """The index of this process's node: ``NODE_RANK``, else torchrun's ``GROUP_RANK``,
+        else SLURM's ``SLURM_NODEID`` (0 for a single process)."""
         if self.world_size == 1:
             return 0
-        for var in ("NODE_RANK", "GROUP_RANK"):
+        for var in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
             text = os.environ.get(var)
             if text:
                 try:

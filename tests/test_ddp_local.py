@@ -8,6 +8,7 @@ and that a one-rank DDP run is bitwise a single-device run. Run time: about 1 s.
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -33,7 +34,10 @@ TORCHRUN_VARS = (
 
 @pytest.fixture
 def no_env(monkeypatch):
-    for name in TORCHRUN_VARS:
+    # torchrun's variables, and every cluster launcher's (ddp() would detect a real SLURM,
+    # LSF or MPI job the tests run inside)
+    launchers = ("SLURM_", "OMPI_", "PMI_", "JSM_", "LSB_")
+    for name in [*TORCHRUN_VARS, *(n for n in os.environ if n.startswith(launchers))]:
         monkeypatch.delenv(name, raising=False)
 
 
