@@ -15,15 +15,23 @@ the parameters, gradients and optimizer state; the state is still the one thing 
 
 **Step.** The step's module template is a private copy of the model on the meta device,
 split into *units* by ``auto_wrap_policy`` (a set of module classes, or
-``policy(module) -> bool``; default: none, the whole model is one unit). A unit's
-parameters are all-gathered when its ``forward`` starts and dropped from the template
-when it returns; the root unit (parameters of no wrapped module, and tied parameters)
-for the whole forward pass. With ``reshard_after_forward=True`` (default) the gathered
-tensors autograd saves for the backward pass are not kept either: they are gathered again
-when the backward pass needs them (``torch.autograd.graph.saved_tensors_hooks``), so at most
-the units in use are full at a time, as with torch's FSDP2. The gradient of every gathered
-parameter reaches its shard reduce-scattered and averaged over ranks (so W ranks with b
-samples each train like one process with W * b samples). The optimizer (any
+``policy(module) -> bool``; default: none, the whole model is one unit). The collectives
+are per unit, as torch's FSDP2's (``hardware.fsdp_units``): a unit's parameters are
+all-gathered with one ``all_gather_single`` per dtype (its shards packed into one flat
+buffer) when its ``forward`` starts, and dropped from the template when it returns; the
+root unit (parameters of no wrapped module, and tied parameters) is gathered for the whole
+pass. The next unit's all-gather (in the order recorded on the step's first call) is issued
+before the current unit computes, so at most two units are gathered at a time. With
+``reshard_after_forward=True`` (default) the gathered tensors autograd saves for the
+backward pass are not kept either (except the root's and the last unit's, which the
+backward pass starts with): they are gathered again per unit when the backward pass comes
+to the unit (a hook on its outputs, which also prefetches the unit before it; the saved
+tensors through ``torch.autograd.graph.saved_tensors_hooks``). Each unit's gradients reach
+their shards with one ``reduce_scatter_single`` in ``reduce_dtype``, averaged over ranks,
+launched (asynchronously; waited on when the next unit's is launched) as soon as the
+unit's last gradient is produced (so W ranks with b samples each train like one process
+with W * b samples). Not overlapped: the first gather of a pass, the last reduce-scatter,
+and the update. The optimizer (any
 ``engine.optim`` transform: fused tensor math) runs on the local shards, with the per-tensor
 norms it takes (global-norm clipping, ``skip_nonfinite``) and the reported gradient norm
 taken over all ranks (``hardware.sharding.sharded_norms``). Accumulation adds the
@@ -34,8 +42,9 @@ gradients are kept). Everything else (purity, keys, buffers, donation) is ``Trai
 whole (plain tensors, the same on every rank) and shards the rest: the forward and backward
 passes run as under DDP (micro-batches accumulate whole gradients locally), the closing
 window reduce-scatters the gradients into shards, the optimizer updates this rank's chunk of
-each parameter and its sharded state, and an all-gather rebuilds the whole parameters. Eval
-and predict steps are the ordinary ones.
+each parameter and its sharded state, and an all-gather rebuilds the whole parameters (these
+two are still one collective per parameter, DTensor redistributions). Eval and predict
+steps are the ordinary ones.
 
 **Mixed precision.** ``mixed_precision=torch.distributed.fsdp.MixedPrecisionPolicy(
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: parameters are gathered and the
@@ -74,14 +83,12 @@ from purestep.engine.step import (
     scalar_gradients,
 )
 from purestep.engine.strategy import Precision
-from purestep.engine.tree import map
 
-from . import sharding
+from . import fsdp_units, sharding
 from .ddp import DDP, ddp, ddp_from_flags
 
 if TYPE_CHECKING:  # torch.distributed.fsdp / .tensor are imported when a strategy is built
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "FSDP",
@@ -292,164 +299,19 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-class _Token:
-    """What a saved-tensor hook keeps instead of a gathered parameter (or a view of one)."""
-
-    __slots__ = ("name", "offset", "size", "stride")
-
-    def __init__(self, name: str, t: torch.Tensor) -> None:
-        self.name = name
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+# The per-unit collectives live in ``hardware.fsdp_units``; these names are kept here.
+_Token = fsdp_units.Token
+_Gathering = fsdp_units.UnitPass
 
 
-class _Gathering:
-    """One forward pass's gathered parameters (see ``_Units``)."""
-
-    def __init__(self, units: _Units, params: dict[str, DTensor], local: dict[str, torch.Tensor]):
-        self.units = units
-        self.params = params
-        self.local = local
-        self.made: dict[int, tuple[weakref.ref, str]] = {}
-        self.again: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
-
-    def full(self, name: str) -> torch.Tensor:
-        mp = self.units.mp
-        t = sharding.gather(
-            self.local[name],
-            self.params[name],
-            compute_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype,
-        )
-        # The gathered tensor may be a view of the all-gather's buffer (uneven shards are
-        # unpadded by narrowing): saved views of it name that buffer as their base.
-        root = t if t._base is None else t._base
-        self.made[id(root)] = (weakref.ref(root), name)
-        return t
-
-    def pack(self, t: torch.Tensor) -> Any:
-        base = t if t._base is None else t._base
-        entry = self.made.get(id(base))
-        if entry is None or entry[0]() is not base:
-            return t
-        return _Token(entry[1], t)
-
-    def unpack(self, x: Any) -> torch.Tensor:
-        if not isinstance(x, _Token):
-            return x
-        root = self.again.get(x.name)
-        if root is None:
-            mp = self.units.mp
-            with torch.no_grad():
-                full = sharding.gather(
-                    self.local[x.name].detach(), self.params[x.name], compute_dtype=mp.param_dtype
-                )
-            root = full if full._base is None else full._base
-            self.again[x.name] = root
-        # the same gather lays its buffer out the same way: the saved view, rebuilt
-        return root.as_strided(x.size, x.stride, x.offset)
-
-
-class _Units:
-    """The hooks that gather each unit's parameters into a meta template while it runs."""
-
-    def __init__(self, template: nn.Module, strategy: FSDP) -> None:
-        self.template = template
-        self.mp = strategy.mixed_precision
-        self.reshard = strategy.reshard_after_forward
-        self.active: _Gathering | None = None
-        units = wrap_units(template, strategy.auto_wrap_policy)
-        slots: dict[str, list[tuple[dict, str]]] = {}
-        for slot, _ in template.named_parameters(remove_duplicate=False):
-            path, _, attr = slot.rpartition(".")
-            slots.setdefault(slot, []).append((template.get_submodule(path)._parameters, attr))
-        first: dict[int, str] = {}
-        canon_slots: dict[str, list[tuple[dict, str]]] = {}
-        for slot, p in template.named_parameters(remove_duplicate=False):
-            canon = first.setdefault(id(p), slot)
-            canon_slots.setdefault(canon, []).extend(slots[slot])
-        self.root = [(canon, canon_slots[canon]) for canon in units[""]]
-        self.unit_names = {u: names for u, names in units.items() if u}
-        for path, names in self.unit_names.items():
-            module = template.get_submodule(path)
-            entries = [(canon, canon_slots[canon]) for canon in names]
-            module.register_forward_pre_hook(self._pre(entries))
-            module.register_forward_hook(self._post(entries))
-        if self.mp.param_dtype is not None and (
-            self.mp.cast_forward_inputs or self.mp.output_dtype
-        ):
-            template.register_forward_pre_hook(self._cast_inputs)
-            template.register_forward_hook(self._cast_output)
-
-    def _pre(self, entries: list) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
-            ctx = self.active
-            if ctx is None:
-                return
-            for canon, places in entries:
-                full = ctx.full(canon)
-                for table, attr in places:
-                    table[attr] = full
-
-        return hook
-
-    def _post(self, entries: list) -> Callable:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if self.active is None:
-                return
-            for _, places in entries:
-                for table, attr in places:
-                    table[attr] = None  # the Binder puts the template's own back on exit
-
-        return hook
-
-    def _cast_inputs(self, module: nn.Module, args: Any) -> Any:
-        if self.active is None or not self.mp.cast_forward_inputs:
-            return None
-        dtype = self.mp.param_dtype
-        return map(
-            lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-            args,
-        )
-
-    def _cast_output(self, module: nn.Module, args: Any, out: Any) -> Any:
-        if self.active is None or self.mp.output_dtype is None:
-            return None
-        dtype = self.mp.output_dtype
-        return map(
-            lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-            out,
-        )
-
-    def gathering(self, params: dict[str, DTensor], local: dict[str, torch.Tensor], grad: bool):
-        return _Active(self, _Gathering(self, params, local), grad and self.reshard)
-
-
-class _Active:
-    """The context in which the template's units gather from one state's shards."""
-
-    def __init__(self, units: _Units, ctx: _Gathering, hooks: bool) -> None:
-        self.units, self.ctx = units, ctx
-        self.saved = (
-            torch.autograd.graph.saved_tensors_hooks(ctx.pack, ctx.unpack) if hooks else None
-        )
-
-    def __enter__(self) -> _Gathering:
-        units, ctx = self.units, self.ctx
-        if units.active is not None:
-            raise RuntimeError("this fsdp step is already running (one call at a time per step)")
-        units.active = ctx
-        for canon, places in units.root:
-            full = ctx.full(canon)
-            for table, attr in places:
-                table[attr] = full
-        if self.saved is not None:
-            self.saved.__enter__()
-        return ctx
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.saved is not None:
-            self.saved.__exit__(*exc)
-        self.units.active = None
+def _units(template: nn.Module, strategy: FSDP) -> fsdp_units.Units:
+    """The gathering hooks of ``template``, split into units by the strategy's policy."""
+    return fsdp_units.Units(
+        template,
+        wrap_units(template, strategy.auto_wrap_policy),
+        strategy.mixed_precision,
+        strategy.reshard_after_forward,
+    )
 
 
 def _check_sharded(state: Any) -> None:
@@ -496,7 +358,7 @@ class FSDPTrainStep(TrainStep):
         view = _ReducedGradients(strategy, self)
         super().__init__(template, loss_fn, optimizer, strategy=view, **kw)  # type: ignore[arg-type]
         self.fsdp = strategy
-        self.units = _Units(template, strategy) if full else None
+        self.units = _units(template, strategy) if full else None
         self._placeholders = dict(template.named_parameters()) if full else {}
         self._likes: dict[str, Any] = {}
 
@@ -531,16 +393,21 @@ class FSDPTrainStep(TrainStep):
         local = {n: p.to_local() for n, p in params.items()}
         versions = [t._version for t in local.values()]
         trainable = self.trainable if not self._all_trainable else list(local)
-        wrt = {n: local[n].detach().requires_grad_() for n in trainable}
-        sources = {**{n: t.detach() for n, t in local.items()}, **wrt}
-        gathering = self.units.gathering(params, sources, True)
+        wrt = {n: local[n] for n in trainable}
+        sources = {n: t.detach() for n, t in local.items()}
+        gathering = self.units.gathering(params, sources, trainable)
+        run = gathering.run
         with self._forward_scope(self._placeholders, buffers, key, gathering) as apply:
             loss, metrics, new_buffers = self._call_loss(apply, batch, buffers)
             target = loss_for_grad(loss, loss_scale, divisor)
-            grads = scalar_gradients(target, tuple(wrt.values()))
+            # every unit's backward is on the path to the pass's anchor: it reduce-scatters
+            # the unit's gradients, collected (averaged shards) once the backward pass is done
+            scalar_gradients(target, (run.anchor,))
+            reduced = run.gradients()
         changed = modified_in_place(local, versions)
         if changed:
             raise RuntimeError(f"the forward pass modified parameters {changed} in place")
+        grads = [reduced.get(n) for n in trainable]
         return self._named_grads(wrt, grads), loss.detach(), metrics, new_buffers
 
     def _grad_func(self, *args: Any) -> Any:
@@ -589,7 +456,7 @@ class _NoGradMixin:
 
     def _setup(self, model: nn.Module, strategy: FSDP) -> nn.Module:
         template = _meta_copy(model)
-        self.units = _Units(template, strategy)
+        self.units = _units(template, strategy)
         self._placeholders = dict(template.named_parameters())
         return template
 
@@ -601,7 +468,7 @@ class _NoGradMixin:
         local = {n: p.to_local() for n, p in params.items()}
         with (
             self.binder.bind(self._placeholders, buffers, False) as apply,  # type: ignore[attr-defined]
-            self.units.gathering(params, local, False),
+            self.units.gathering(params, local, None),
             self.strategy.precision.autocast(),  # type: ignore[attr-defined]
         ):
             try:
@@ -643,6 +510,7 @@ def fsdp(
     buffers: str = "broadcast",
     loss_scale: DynamicLossScale | None = None,
     per_run: bool = False,
+    cluster: Any = None,
 ) -> FSDP:
     """This process's rank of a fully sharded run, with the process group initialised.
 
@@ -664,22 +532,29 @@ def fsdp(
         buffers=buffers,
         loss_scale=loss_scale,
         per_run=per_run,
+        cluster=cluster,
     )
-    return FSDP(
+    value = FSDP(
         base,
         auto_wrap_policy=auto_wrap_policy,
         mixed_precision=mixed_precision,
         reshard_after_forward=reshard_after_forward,
         sharding=sharding,
     )
+    value.cluster = base.cluster  # who started the processes (SLURM auto-requeue reads it)
+    return value
 
 
-def fsdp_from_flags(use_cuda: bool, devices: Any, count: int | None, precision: Any) -> FSDP:
+def fsdp_from_flags(
+    use_cuda: bool, devices: Any, count: int | None, precision: Any, cluster: Any = None
+) -> FSDP:
     """``fsdp()`` for ``Trainer(strategy="fsdp")``: the process checks of ``ddp_from_flags``
     (``devices`` against the processes started), default wrapping (the whole model as one
     unit; pass ``strategy=hardware.fsdp(auto_wrap_policy=...)`` to choose). Unlike
     ``strategy="ddp"`` the group is not released after each run: the state's DTensors live
     on it, so it lives until the process exits (or ``close()``)."""
-    value = FSDP(ddp_from_flags(use_cuda, devices, count, precision))
+    base = ddp_from_flags(use_cuda, devices, count, precision, cluster)
+    value = FSDP(base)
     value.per_run = False
+    value.cluster = base.cluster
     return value

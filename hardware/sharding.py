@@ -17,7 +17,9 @@ This module holds what does not depend on a module template:
   on plain local tensors at plain-tensor speed.
 * ``gather``: a parameter's full value from its local shard, differentiably: the backward
   pass reduce-scatters the gradient (sum over ranks divided by the world size, like DDP's
-  mean) in a chosen reduction dtype. Both collectives are DTensor redistributions.
+  mean) in a chosen reduction dtype. Both collectives are DTensor redistributions, one per
+  parameter: ``sharding="grad_op"`` uses them; the fully sharded step gathers and
+  reduces a unit's parameters at once (``hardware.fsdp_units``), on the same layout.
 * ``global_norms`` and ``sharded_norms()``: per-tensor norms of sharded tensors taken over
   all ranks, so global-norm clipping, ``skip_nonfinite`` and the reported gradient norm
   see the full tensors. Inside ``sharded_norms()``, every ``torch._foreach_norm`` call (the
