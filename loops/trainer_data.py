@@ -76,7 +76,12 @@ def data_seed(state: TrainState) -> int:
 
 
 def _shard(strategy: Any, seed: int) -> dict[str, int]:
-    return {"seed": seed, "rank": strategy.rank, "world_size": strategy.world_size}
+    # the strategy's own split when it has one (tensor parallelism: one model's ranks read
+    # the same batches, so the data is split by replica, not by rank)
+    options = getattr(strategy, "data_options", None)
+    if options is None:
+        return {"seed": seed, "rank": strategy.rank, "world_size": strategy.world_size}
+    return {"seed": seed, **options()}
 
 
 def train_data(data: Any, seed: int, *, strategy: Any, mode: str, config: Any) -> Batches:
