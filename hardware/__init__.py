@@ -1,5 +1,15 @@
 """Hardware strategies: placement, precision and collectives as values a step receives."""
 
+from . import cluster, slurm
+from .cluster import (
+    ClusterEnvironment,
+    EnvironmentVariables,
+    KubeflowEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from .collectives import REDUCE_OPS, CollectiveError, all_reduce_tree, broadcast_tree
 from .ddp import BUFFER_MODES, DDP, DDPTrainStep, ddp
 from .ensemble import (
@@ -18,8 +28,18 @@ from .members import EnsembleInfo, is_ensemble, member, stack
 from .precision import PRECISIONS, MixedPrecision, TruePrecision, precision
 from .process_env import ProcessEnv
 from .single import SingleDevice, single_device
+from .tensor_parallel import DATA_PARALLEL_MODES, TensorParallel, tensor_parallel
 
 __all__ = [
+    "ClusterEnvironment",
+    "EnvironmentVariables",
+    "KubeflowEnvironment",
+    "LSFEnvironment",
+    "MPIEnvironment",
+    "SLURMEnvironment",
+    "TorchElasticEnvironment",
+    "cluster",
+    "slurm",
     "BUFFER_MODES",
     "DDP",
     "REDUCE_OPS",
@@ -40,6 +60,9 @@ __all__ = [
     "from_flags",
     "precision",
     "single_device",
+    "DATA_PARALLEL_MODES",
+    "TensorParallel",
+    "tensor_parallel",
     "Ensemble",
     "EnsembleEvalStep",
     "EnsembleInfo",

@@ -34,6 +34,14 @@ EXPECTED = {
     "checkpoint_io.py": {"save_ratio", "load_ratio"},
     "data_rng.py": {"ratio", "overhead_us", "worker_overhead_us"},
     "fsdp.py": {"mem_ratio", "time_ratio"},
+    "dist_peer.py": {
+        "ddp_vs_torch",
+        "ddp_mem_vs_torch",
+        "fsdp_vs_torch",
+        "fsdp_mem_vs_torch",
+        "fsdp_colls",
+        "torch_fsdp_colls",
+    },
     "step_overhead.py": {
         "ratio_small",
         "ratio_mid",
