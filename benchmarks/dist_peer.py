@@ -102,7 +102,9 @@ def _ours(strategy, depth: int, batch):
 
     opt = optim.adam(1e-3)
     box = [engine.init(_model(depth), opt, seed=0, strategy=strategy)]
-    step = engine.train_step(_model(depth), _loss, opt, strategy=strategy, donate=True)
+    step = engine.train_step(
+        _model(depth), _loss, opt, strategy=strategy, donate=True, grad_norm=False
+    )
 
     def run():
         box[0], _ = step(box[0], batch)

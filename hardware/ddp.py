@@ -513,7 +513,9 @@ def ddp(
     it). ``comm_hook``: "fp16" or "bf16" (torch's compression hooks: the bucket is cast,
     divided by the world size, all-reduced and cast back) or any torch comm hook
     ``hook(comm_state, bucket) -> Future`` (e.g. from
-    ``torch.distributed.algorithms.ddp_comm_hooks``). ``find_unused_parameters=True``:
+    ``torch.distributed.algorithms.ddp_comm_hooks``; a stateful hook's ``comm_state``, e.g.
+    PowerSGD's error feedback, lives outside the ``TrainState``, so runs with one do not
+    resume bitwise). ``find_unused_parameters=True``:
     parameters the loss does not use get a zero gradient (reduced with the others)
     instead of an error. ``static_graph``: accepted for torch's meaning (the graph is the
     same every step); the bucket layout is static in any case (see

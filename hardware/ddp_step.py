@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from purestep.engine.gradients import scalar_gradients
 from purestep.engine.step import TrainStep
 
 from .grad_buckets import BucketedReduction, BucketLayout
@@ -41,8 +42,6 @@ class DDPTrainStep(TrainStep):
         self._reduction: BucketedReduction | None = None
         self._reduced_now = False
         self._param_names: dict[int, str] = {}
-        #: The last closing call's reduction (what it launched during the backward pass).
-        self.last_reduction: BucketedReduction | None = None
 
     def backward(self, state: Any, batch: Any, *, end_window: bool | None = None) -> Any:
         strategy = self.strategy
@@ -50,6 +49,7 @@ class DDPTrainStep(TrainStep):
             return super().backward(state, batch, end_window=end_window)
         _, micro, close = self._window(state.progress, end_window)
         if close:
+            strategy._ready()  # as DDP.all_reduce does: forms a released per-run group again
             trainable = self._trainable(state.params)
             if self._layout is None:
                 self._layout = BucketLayout.of(trainable, strategy.bucket_cap_mb)
@@ -62,12 +62,41 @@ class DDPTrainStep(TrainStep):
                 hook_state=strategy.comm_state,
                 timeout=strategy.timeout,
             )
-            self._param_names = {id(t): n for n, t in trainable.items()} if strategy.overlap else {}
+            # grad="func" takes its gradients outside autograd's leaf hooks (its first call's
+            # unused-parameter probe runs an autograd pass whose gradients must not count)
+            overlap = strategy.overlap and self.grad == "autograd"
+            self._param_names = {id(t): n for n, t in trainable.items()} if overlap else {}
+        reduction = self._reduction
         try:
             return super().backward(state, batch, end_window=end_window)
+        except BaseException as exc:
+            if reduction is not None and reduction.launched and not reduction.finished:
+                # this rank's buckets went out, its peers' matching ones may not have: a
+                # retried call would pair its collectives with the peers' next step
+                _note(
+                    exc,
+                    "purestep: this rank had launched gradient all-reduces when the step "
+                    "failed, so the ranks are out of step: do not call the step again in "
+                    "this process group (restart the run, e.g. from its last checkpoint)",
+                )
+            raise
         finally:
-            self.last_reduction = self._reduction or self.last_reduction
+            if reduction is not None:
+                reduction.release()  # the buffers belong to the returned gradients now
             self._reduction, self._reduced_now, self._param_names = None, False, {}
+
+    def _take_gradients(self, loss: torch.Tensor, inputs: tuple) -> tuple:  # type: ignore[override]
+        # Only the step's own backward pass fills buckets: a torch.autograd.grad that the loss
+        # function runs over the parameters (a gradient penalty, SAM, an inner MAML step)
+        # fires the same leaf hooks with other gradients.
+        reduction = self._reduction
+        if reduction is None:
+            return scalar_gradients(loss, inputs)
+        reduction.armed = True
+        try:
+            return scalar_gradients(loss, inputs)
+        finally:
+            reduction.armed = False
 
     def _leaf(self, p: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         leaf = p.detach().requires_grad_()
@@ -87,3 +116,9 @@ class DDPTrainStep(TrainStep):
         if self._reduced_now:
             return grads
         return super()._reduced(grads)
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc``'s report (Python 3.11's notes; the message itself before)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)

@@ -214,6 +214,10 @@ class BucketedReduction:
         #: Bytes whose reduction was launched from inside the backward pass.
         self.launched_in_backward = 0
         self._in_backward = True
+        #: Whether the leaf hooks may fill buckets (set around the step's own backward pass).
+        self.armed = False
+        #: Whether ``finish`` has waited for every bucket.
+        self.finished = False
 
     # ------------------------------------------------------------------ during backward
 
@@ -224,7 +228,8 @@ class BucketedReduction:
 
     def _hook_for(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            self._fill(name, grad)
+            if self.armed:
+                self._fill(name, grad)
 
         return hook
 
@@ -308,4 +313,16 @@ class BucketedReduction:
                 numel = self.layout.numels[n]
                 out[n] = flat[offset : offset + numel].view(grads[n].shape)
                 offset += numel
+        self.finished = True
         return {n: out[n] for n in grads}
+
+    @property
+    def launched(self) -> bool:
+        """Whether any bucket's collective has been launched."""
+        return bool(self._pending)
+
+    def release(self) -> None:
+        """Drop what the step no longer needs: the buffers (now the returned gradients'),
+        the state's parameters, the window's sum, the finished works."""
+        self._flats = [None] * len(self._flats)
+        self._params, self._acc, self._pending = {}, None, []

@@ -444,6 +444,7 @@ def tensor_parallel(
     device: torch.device | str | None = None,
     buffers: str = "broadcast",
     loss_scale: DynamicLossScale | None = None,
+    cluster: Any = None,
 ) -> TensorParallel:
     """This process's rank of a tensor-parallel run, with the process group and mesh formed.
 
@@ -467,5 +468,8 @@ def tensor_parallel(
         device=device,
         buffers=buffers,
         loss_scale=loss_scale,
+        cluster=cluster,
     )
-    return TensorParallel(base, plan, mesh_shape=mesh_shape, data_parallel=data_parallel)
+    value = TensorParallel(base, plan, mesh_shape=mesh_shape, data_parallel=data_parallel)
+    value.cluster = base.cluster  # who started the processes (SLURM auto-requeue reads it)
+    return value

@@ -73,7 +73,11 @@ LAST_KEY = {"char_lm.py": "ratio_vs_raw_compiled", "compile_step.py": "ratio_vs_
 
 #: keys that may be zero or negative: ``python -m purestep fit --help`` can end sooner than
 #: a bare ``import torch`` (it skips the garbage collector's passes over torch's objects)
-SIGNED = {"cli_startup.py": {"overhead_s"}}
+SIGNED = {
+    "cli_startup.py": {"overhead_s"},
+    # differences of two timings: a quick run's few samples on a loaded machine can give 0
+    "data_rng.py": {"overhead_us", "worker_overhead_us"},
+}
 
 
 def ratio_line(output: str) -> dict[str, float]:

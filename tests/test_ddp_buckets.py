@@ -195,12 +195,78 @@ def _ranks(rank: int) -> dict:
         out["unused_error"] = None
     except RuntimeError as err:
         out["unused_error"] = str(err)
+    out.update(_review_cases(strategy, rank))
     lenient = hardware.ddp(find_unused_parameters=True, bucket_cap_mb=CAP_MB)
     state = engine.init(net, opt, seed=0, strategy=lenient)
     new, _ = engine.train_step(net, loss_used, opt, strategy=lenient)(state, batch)
     out["unused_kept"] = torch.equal(new.params["unused.weight"], state.params["unused.weight"])
     out["used_moved"] = not torch.equal(new.params["used.weight"], state.params["used.weight"])
+    out["after_a_release"] = _after_a_release(rank)
     return out
+
+
+def _penalised(model, batch):
+    """A loss that differentiates over the parameters itself (a gradient-norm penalty):
+    its inner autograd pass fires the parameters' hooks with other gradients."""
+    x, y = batch
+    loss = nn.functional.mse_loss(model(x), y)
+    inner = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    return loss + 0.5 * sum((g * g).sum() for g in inner)
+
+
+def _small() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _review_cases(strategy, rank: int) -> dict:
+    import gc
+    import weakref
+
+    out: dict = {}
+    x, y = _batches(1)[0]
+    batch = (_mine(x, rank), _mine(y, rank))
+    results = {}
+    for overlap in (True, False):
+        strategy.overlap = overlap
+        opt = optim.sgd(0.1)
+        state = engine.init(_small(), opt, seed=0, strategy=strategy)
+        step = engine.train_step(_small(), _penalised, opt, strategy=strategy)
+        for _ in range(2):
+            state, _ = step(state, batch)
+        results[overlap] = state.params
+    strategy.overlap = True
+    out["penalty_overlap"], out["penalty_after"] = results[True], results[False]
+    # The step keeps nothing of a finished call: the input state can be freed.
+    opt = optim.sgd(0.1)
+    state = engine.init(_small(), opt, seed=0, strategy=strategy)
+    step = engine.train_step(_small(), _loss, opt, strategy=strategy)
+    _kept = step(state, batch)  # the new state stays alive; the old one must not
+    old = weakref.ref(state.params["0.weight"])
+    del state
+    gc.collect()
+    out["old_params_freed"] = old() is None
+    return out
+
+
+def _after_a_release(rank: int) -> bool:
+    """A per-run strategy's step after its group was released (the end of a
+    ``Trainer(strategy="ddp")`` run) forms the group again; run last: it replaces the
+    launch's group by one purestep forms."""
+    dist.destroy_process_group()
+    strategy = hardware.ddp(timeout=30, per_run=True, bucket_cap_mb=CAP_MB)
+    try:
+        opt = optim.sgd(0.1)
+        state = engine.init(_small(), opt, seed=0, strategy=strategy)
+        step = engine.train_step(_small(), _loss, opt, strategy=strategy)
+        x, y = _batches(1)[0]
+        batch = (_mine(x, rank), _mine(y, rank))
+        state, _ = step(state, batch)
+        strategy.release()
+        state, _ = step(state, batch)
+        return bool(torch.isfinite(state.params["0.weight"]).all())
+    finally:
+        strategy.close()
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +331,22 @@ def test_unused_parameters(two_ranks):
     for r in two_ranks:
         assert "received no gradient" in r["unused_error"]
         assert r["unused_kept"] and r["used_moved"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_loss_that_takes_its_own_gradients_does_not_fill_the_buckets(two_ranks):
+    for r in two_ranks:
+        tree.assert_trees_equal(r["penalty_overlap"], r["penalty_after"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_step_keeps_nothing_of_a_finished_call(two_ranks):
+    assert all(r["old_params_freed"] for r in two_ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_step_after_a_release_forms_the_group_again(two_ranks):
+    assert all(r["after_a_release"] for r in two_ranks)

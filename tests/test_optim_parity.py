@@ -461,3 +461,22 @@ def test_step_bitwise_equals_torch_on_cuda(case):
         p, s = run_ours(factory(**kwargs), params, grads, donate=donate)
         assert_trees_equal(p, tp)
         assert_trees_equal(_state_of(s, ts), ts)
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_on_large_tensors_roots_into_the_gradients_bitwise(amsgrad):
+    """Tensors of 2**16 elements and more take the one-pass square root into the owned
+    gradients (a transposed gradient view included, as a Linear weight's is)."""
+    g = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(300, 256, generator=g), "b": torch.randn(70_000, generator=g)}
+    grads = [
+        {"w": torch.randn(256, 300, generator=g).t(), "b": torch.randn(70_000, generator=g)}
+        for _ in range(3)
+    ]
+    kwargs = dict(lr=0.01, amsgrad=amsgrad)
+    tp, ts = run_torch(torch.optim.Adam, kwargs, params, grads)
+    for donate, owning in ((False, True), (True, False)):
+        p, s = run_ours(optim.adam(**kwargs), params, grads, donate=donate, owning=owning)
+        assert_trees_equal(p, tp)
+        assert_trees_equal(_state_of(s, ts), ts)

@@ -48,6 +48,11 @@ class AdamState:
     max_exp_avg_sq: dict[str, Tensor]
 
 
+#: Mean elements per tensor from which the eager update's square root writes straight into the
+#: gradients' storage (``torch.sqrt(out=)`` per tensor) rather than copying and then rooting.
+_OUT_SQRT = 1 << 16
+
+
 @_util.optimizer_name("Adam")
 @_util.evaluates_schedules("lr")
 def adam(
@@ -178,8 +183,16 @@ def _adam(
         source = vmax if amsgrad else v
         if owned and not diff:
             # The gradients are ours: reuse them for the denominator (no new allocation).
-            ops._foreach_copy_(g, source)
-            ops._foreach_sqrt_(g)
+            # Large tensors take ``sqrt(out=)``, one pass instead of a copy and an in-place
+            # sqrt; small ones the two foreach calls (one kernel launch each for the lot).
+            if not torch.compiler.is_compiling() and sum(x.numel() for x in g) >= _OUT_SQRT * len(
+                g
+            ):
+                for x, y in zip(source, g):
+                    torch.sqrt(x, out=y)
+            else:
+                ops._foreach_copy_(g, source)
+                ops._foreach_sqrt_(g)
             denom = g
         else:
             denom = ops._foreach_sqrt(source)
