@@ -158,6 +158,24 @@ class DDP(Strategy):
             shared.holders.add(self)
             _OWNED.add(self)
 
+    def _settings(self) -> dict[str, Any]:
+        """The constructor's arguments that make a strategy built on this one (FSDP, tensor
+        parallelism) the same rank of the same group."""
+        return dict(
+            rank=self.rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            device=self.device,
+            precision=self.precision,
+            backend=self.backend,
+            timeout=self.timeout,
+            sync_batchnorm=self.sync_batchnorm,
+            buffers=self.buffers,
+            owns_group=self._shared is not None,
+            shared=self._shared,
+            per_run=self.per_run,
+        )
+
     @property
     def _owns_group(self) -> bool:
         """Whether the group is purestep's (formed by a ``ddp()`` value, this one or another)."""

@@ -122,20 +122,7 @@ class FSDP(DDP):
     ) -> None:
         if sharding not in SHARDING_MODES:
             raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
-        super().__init__(
-            rank=base.rank,
-            world_size=base.world_size,
-            local_rank=base.local_rank,
-            device=base.device,
-            precision=base.precision,
-            backend=base.backend,
-            timeout=base.timeout,
-            sync_batchnorm=base.sync_batchnorm,
-            buffers=base.buffers,
-            owns_group=base._shared is not None,
-            shared=base._shared,
-            per_run=base.per_run,
-        )
+        super().__init__(**base._settings())
         if base.precision.scaler is not None:
             raise ValueError(
                 f"precision {base.precision.name!r} scales the loss, which fsdp does not "

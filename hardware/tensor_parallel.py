@@ -103,20 +103,8 @@ class TensorParallel(DDP):
             raise ValueError(
                 f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {data_parallel!r}"
             )
-        super().__init__(
-            rank=base.rank,
-            world_size=base.world_size,
-            local_rank=base.local_rank,
-            device=base.device,
-            precision=base.precision,
-            backend=base.backend,
-            timeout=base.timeout,
-            sync_batchnorm=base.sync_batchnorm,
-            buffers=base.buffers,
-            owns_group=base._shared is not None,
-            shared=base._shared,
-            per_run=False,  # the state's DTensors live on the mesh: the group must stay
-        )
+        # per_run=False: the state's DTensors live on the mesh, so the group must stay
+        super().__init__(**{**base._settings(), "per_run": False})
         if base.precision.scaler is not None:
             raise ValueError(
                 f"precision {base.precision.name!r} scales the loss, which tensor_parallel "

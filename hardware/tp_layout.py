@@ -39,6 +39,8 @@ from torch.overrides import TorchFunctionMode
 
 from purestep.engine.tree import map
 
+from . import sharding
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
@@ -214,34 +216,11 @@ def localize(tree: Any) -> Any:
 
 def wrap(local: Tensor, like: DTensor) -> DTensor:
     """``local`` as a DTensor laid out like ``like`` (no communication, no checks)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return sharding._wrap(local, like)
 
 
-def rewrap_like(new: Any, like: Any) -> Any:
-    """Local tensors ``new`` as DTensors laid out like the DTensors at the same places of
-    ``like``; ``like``'s own local tensor (an update in place) gives ``like`` back."""
-    from torch.distributed.tensor import DTensor
-
-    def one(x: Any, ref: Any) -> Any:
-        if not isinstance(ref, DTensor) or isinstance(x, DTensor):
-            return x
-        own = ref.to_local()
-        if x is own or (
-            x.data_ptr() == own.data_ptr() and x.shape == own.shape and x.dtype == own.dtype
-        ):
-            return ref
-        return wrap(x, ref)
-
-    return map(one, new, like)
+#: Local tensors as DTensors laid out like a reference tree (``hardware.sharding.rewrap``).
+rewrap_like = sharding.rewrap
 
 
 # ---------------------------------------------------------------------- fsdp over "dp"
